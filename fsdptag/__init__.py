@@ -1,0 +1,24 @@
+"""fsdptag: SimpleFSDP-style eager data parallelism whose FSDP traffic carries a provenance tag."""
+
+from ._parametrize import (
+    DataParallelMode,
+    MixedPrecisionPolicy,
+    ReshardPolicy,
+    disable_active_parametrization,
+    is_parametrized,
+    parametrize,
+)
+from ._tag import FSDPTag, FSDPTaggedTensor, get_fsdp_tag, is_fsdp_tagged
+
+__all__ = [
+    "DataParallelMode",
+    "FSDPTag",
+    "FSDPTaggedTensor",
+    "MixedPrecisionPolicy",
+    "ReshardPolicy",
+    "disable_active_parametrization",
+    "get_fsdp_tag",
+    "is_fsdp_tagged",
+    "is_parametrized",
+    "parametrize",
+]

@@ -1,0 +1,161 @@
+"""zero3 without user AC: saved-tensor hooks that re-gather instead of keeping.
+
+Note [zero3 by saved-tensor hooks]
+----------------------------------
+With ``reshard_after_forward=True`` a gathered parameter must not stay alive
+between forward and backward. In eager mode the only things that keep it alive
+are autograd's saved tensors (``mm`` saves ``w.t()``, ``layer_norm`` saves
+``weight``). Checkpointing just the gather frees nothing: the consumer op
+saves the gathered tensor outside the checkpointed region.
+
+So while the root module's forward runs we push ``saved_tensors_hooks``:
+
+* pack: a saved tensor whose tag says zero3 is replaced by a small handle
+  (the parameter's FQN, and the size/stride/offset of the saved view inside the
+  gathered buffer); every other tensor is kept as is. No per-op dispatch cost:
+  the hook only runs for tensors autograd saves.
+* unpack: the first handle of a parameter re-gathers it (one all-gather, no
+  autograd graph, untagged) and rebuilds the view with ``as_strided``; further
+  handles of the same parameter in the same backward reuse it, and the buffer
+  is dropped when the last handle of that forward is unpacked.
+
+The re-gather reproduces the forward gather exactly (same collective, same
+padding and unpadding), so the buffer layout matches and ``as_strided`` is the
+same view. Parameters whose gathered value backward never needs (embedding
+tables, biases) are never packed, so never re-gathered.
+
+Hooks are installed only when no other saved-tensor hooks are active and we
+are not inside backward. Inside an activation-checkpointed region
+``torch.utils.checkpoint`` owns the saved tensors (its hooks are innermost), and
+there fsdptag's checkpoint policy decides; the region's recompute runs in
+backward, so the root's hooks are never pushed a second time. This is what keeps
+a checkpointed zero3 block at one re-gather per parameter.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.autograd.graph import saved_tensors_hooks
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.tensor import DTensor
+
+from ._tag import FSDPTaggedTensor, get_fsdp_tag
+
+
+def _innermost(t: torch.Tensor) -> torch.Tensor:
+    while True:
+        if isinstance(t, DTensor):
+            t = t._local_tensor
+        elif isinstance(t, AsyncCollectiveTensor):
+            t = t.elem
+        elif isinstance(t, FSDPTaggedTensor):
+            t = t._elem
+        else:
+            return t
+
+
+class _Regather:
+    """One parameter's re-gather, shared by every handle packed in one forward."""
+
+    __slots__ = ("module", "name", "access", "pending", "buffer")
+
+    def __init__(self, module: nn.Module, name: str, access) -> None:
+        self.module, self.name, self.access = module, name, access
+        self.pending = 0
+        self.buffer: torch.Tensor | None = None
+
+    def take(self) -> torch.Tensor:
+        if self.buffer is None:
+            with torch.no_grad():
+                gathered = self.access.gather(self.module._parameters[self.name], tagged=False)
+            self.buffer = _innermost(gathered)
+        buffer = self.buffer
+        self.pending -= 1
+        if self.pending == 0:
+            self.buffer = None
+        return buffer
+
+
+class _PackedView:
+    """What autograd stores instead of a zero3 gathered tensor."""
+
+    __slots__ = ("regather", "size", "stride", "offset", "nbytes", "spec")
+
+    def __init__(self, regather: _Regather, t: torch.Tensor) -> None:
+        inner = _innermost(t)
+        self.regather = regather
+        self.size, self.stride, self.offset = inner.size(), inner.stride(), inner.storage_offset()
+        self.nbytes = inner.untyped_storage().nbytes()
+        self.spec = t._spec if isinstance(t, DTensor) else None
+        regather.pending += 1
+
+    def unpack(self) -> torch.Tensor:
+        buffer = self.regather.take()
+        if buffer.untyped_storage().nbytes() != self.nbytes:
+            raise RuntimeError(
+                f"fsdptag: re-gathered {self.regather.access.tag.fqn!r} has a "
+                f"{buffer.untyped_storage().nbytes()}-byte buffer but the saved view needs "
+                f"{self.nbytes}; autograd saved a tensor that is not a view of the gathered "
+                "parameter. Please report this with the op that saved it."
+            )
+        view = buffer.as_strided(self.size, self.stride, self.offset)
+        if self.spec is None:
+            return view
+        return DTensor(view, self.spec, requires_grad=False)
+
+
+class Zero3SavedTensorHooks:
+    """Root-module forward hooks that push the zero3 pack/unpack hooks."""
+
+    def __init__(self, accesses: dict) -> None:
+        self.accesses = accesses  # fqn -> (module, name, _ParamAccess)
+        self._stack: list = []
+        self._regathers: dict[str, _Regather] | None = None
+
+    @classmethod
+    def install(cls, model: nn.Module, accesses: dict) -> None:
+        if not any(access.tag.reshard_after_forward for _, _, access in accesses.values()):
+            return
+        hooks = cls(accesses)
+        model.register_forward_pre_hook(hooks._enter)
+        model.register_forward_hook(hooks._exit, always_call=True)
+
+    def _enter(self, module, args) -> None:
+        usable = (
+            torch.is_grad_enabled()
+            and torch._C._current_graph_task_id() == -1  # not a recompute inside backward
+            and torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+        )
+        if not usable:
+            self._stack.append(None)
+            return
+        ctx = saved_tensors_hooks(self._pack, self._unpack)
+        ctx.__enter__()
+        self._stack.append((ctx, self._regathers))
+        self._regathers = {}
+
+    def _exit(self, module, args, output) -> None:
+        entry = self._stack.pop()
+        if entry is not None:
+            ctx, self._regathers = entry
+            ctx.__exit__(None, None, None)
+
+    def _pack(self, t: torch.Tensor):
+        if type(t) is torch.Tensor or torch.nn.Parameter is type(t):
+            return t
+        tag = get_fsdp_tag(t)
+        if tag is None or not tag.reshard_after_forward:
+            return t
+        module, name, access = self.accesses[tag.fqn]
+        stored = module._parameters[name]._local_tensor
+        if _innermost(t).untyped_storage().data_ptr() == stored.untyped_storage().data_ptr():
+            return t  # the "gathered" tensor is the stored shard itself (1 rank): nothing to free
+        regather = self._regathers.get(tag.fqn)
+        if regather is None:
+            regather = self._regathers[tag.fqn] = _Regather(module, name, access)
+        return _PackedView(regather, t)
+
+    @staticmethod
+    def _unpack(x):
+        return x.unpack() if isinstance(x, _PackedView) else x

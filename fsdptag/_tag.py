@@ -1,0 +1,270 @@
+"""The provenance tag: :class:`FSDPTaggedTensor` and the table of ops that keep it.
+
+Note [Tag life cycle]
+---------------------
+Every access to a parametrized parameter wraps its *local shard* in an
+``FSDPTaggedTensor`` carrying an :class:`FSDPTag` (the parameter's FQN and its
+reshard decision). From there the tag follows the FSDP data path and nothing
+else:
+
+==========================  =====================================================
+op (as the dispatcher sees)  why it keeps the tag
+==========================  =====================================================
+``aten._to_copy``            mixed-precision cast of the shard before the gather
+``constant_pad_nd``,         uneven shards: only some ranks pad before the
+``new_zeros``, ``cat``,      all-gather, so these must keep the tag or ranks take
+``clone``                    different save/recompute decisions and deadlock
+``all_gather_into_tensor``   the FSDP all-gather itself
+``_wrap_tensor_autograd``    wraps the gather output in an AsyncCollectiveTensor;
+                             we put the tag *inside* it (ACT(tagged)) so that ...
+``wait_tensor``              ... the later wait, which sees ACT's inner tensor,
+                             still sees a tagged tensor
+view / alias ops             DTensor unpads with ``narrow``/``slice``, splits for
+                             ``_StridedShard``; users take ``t()`` / ``view``
+==========================  =====================================================
+
+Every other op (``mm``, ``add``, ``layer_norm``, ...) is real compute: its
+outputs are returned as plain tensors, so the tag never leaks into activations,
+the loss, gradients or optimizer state. The tag's decision fields are static
+per parameter, hence identical on every rank (rank independence).
+
+The stored parameter itself is never tagged: the parametrization wraps the
+local shard at the access boundary with a differentiable :func:`tag_shard`,
+whose backward returns a plain gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import return_and_correct_aliasing
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+__all__ = ["FSDPTag", "FSDPTaggedTensor", "is_fsdp_tagged", "get_fsdp_tag", "tag_shard"]
+
+
+@dataclass(frozen=True)
+class FSDPTag:
+    """Provenance of a tensor on the FSDP data path of one parameter.
+
+    ``fqn`` names the parameter (as in ``model.named_parameters()`` before
+    parametrization); ``reshard_after_forward`` is its zero3 (True) / zero2
+    (False) decision. Both are fixed at ``parametrize`` time and identical on
+    every rank.
+    """
+
+    fqn: str
+    reshard_after_forward: bool
+
+
+class FSDPTaggedTensor(torch.Tensor):
+    """A plain tensor plus an :class:`FSDPTag`; see Note [Tag life cycle].
+
+    Ops in the tag table return tagged outputs (with correct aliasing for views);
+    every other op returns plain tensors.
+
+    Example::
+
+        >>> t = FSDPTaggedTensor(torch.randn(4, 4), FSDPTag("w", True))
+        >>> is_fsdp_tagged(t.t()), is_fsdp_tagged(t @ t)
+        (True, False)
+    """
+
+    _elem: torch.Tensor
+    tag: FSDPTag
+    __slots__ = ("_elem", "tag")
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, elem: torch.Tensor, tag: FSDPTag, requires_grad: bool = False):
+        if isinstance(elem, FSDPTaggedTensor):
+            raise TypeError("FSDPTaggedTensor cannot wrap another FSDPTaggedTensor")
+        out = torch.Tensor._make_wrapper_subclass(
+            cls,
+            elem.size(),
+            strides=elem.stride(),
+            storage_offset=elem.storage_offset(),
+            dtype=elem.dtype,
+            layout=elem.layout,
+            device=elem.device,
+            requires_grad=requires_grad,
+        )
+        out._elem = elem
+        out.tag = tag
+        return out
+
+    def __repr__(self) -> str:
+        return f"FSDPTaggedTensor({self._elem!r}, tag={self.tag})"
+
+    def __tensor_flatten__(self):
+        return ["_elem"], self.tag
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, tag, outer_size, outer_stride):
+        return FSDPTaggedTensor(inner_tensors["_elem"], tag)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        tag, inner_args, inner_kwargs = _unwrap(args, kwargs or {})
+        rule = _TAG_TABLE.get(func)
+        if rule is None and func._schema.is_mutable:
+            raise RuntimeError(
+                f"fsdptag: in-place op {func} on the gathered parameter {tag.fqn!r}. "
+                "The gathered copy is temporary, so the change would be lost; modify the "
+                "stored parameter inside `with fsdptag.disable_active_parametrization():`."
+            )
+        out = func(*inner_args, **inner_kwargs)
+        return out if rule is None else rule(func, tag, args, kwargs, out)
+
+
+# ---------------------------------------------------------------- unwrapping
+
+
+def _unwrap_one(x: Any, found: list) -> Any:
+    if isinstance(x, FSDPTaggedTensor):
+        if not found:
+            found.append(x.tag)
+        return x._elem
+    if isinstance(x, (list, tuple)):
+        # cat takes a list of tensors; nothing nests deeper on the FSDP path.
+        return type(x)(_unwrap_one(y, found) for y in x)
+    return x
+
+
+def _unwrap(args: tuple, kwargs: dict) -> tuple[FSDPTag, tuple, dict]:
+    found: list = []
+    args = tuple(_unwrap_one(a, found) for a in args)
+    if kwargs:
+        kwargs = {k: _unwrap_one(v, found) for k, v in kwargs.items()}
+    return found[0], args, kwargs
+
+
+def _wrap(x: Any, tag: FSDPTag) -> Any:
+    if isinstance(x, torch.Tensor):
+        return FSDPTaggedTensor(x, tag)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_wrap(y, tag) for y in x)
+    return x
+
+
+# ---------------------------------------------------------------- the tag table
+
+# A rule gets (op, tag, the op's original args and kwargs, the plain output).
+_Rule = Callable[[Any, FSDPTag, tuple, dict, Any], Any]
+_TAG_TABLE: dict[Any, _Rule] = {}
+
+
+def _keeps_tag(*ops: Any) -> Callable[[_Rule], _Rule]:
+    """Register ``rule`` as the way ``ops`` rewrap their outputs."""
+
+    def register(rule: _Rule) -> _Rule:
+        for op in ops:
+            _TAG_TABLE[op] = rule
+        return rule
+
+    return register
+
+
+@_keeps_tag(
+    # the FSDP cast, gather and wait
+    aten._to_copy.default,
+    c10d.all_gather_into_tensor.default,
+    c10d.wait_tensor.default,
+    # padding / repacking DTensor does around the gather (uneven shards, _StridedShard)
+    aten.constant_pad_nd.default,
+    aten.new_zeros.default,
+    aten.cat.default,
+    aten.clone.default,
+)
+def _rewrap_new(func, tag, args, kwargs, out):
+    return _wrap(out, tag)
+
+
+@_keeps_tag(
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.slice.Tensor,
+    aten.narrow.default,
+    aten.split.Tensor,
+    aten.split_with_sizes.default,
+    aten.chunk.default,
+    aten.unbind.int,
+    aten.select.int,
+    aten.detach.default,
+    aten.alias.default,
+    aten.t.default,
+    aten.transpose.int,
+    aten.permute.default,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    aten.expand.default,
+    aten.as_strided.default,
+)
+def _rewrap_view(func, tag, args, kwargs, out):
+    # Views must alias their base at the wrapper level too (autograd view tracking).
+    return return_and_correct_aliasing(func, args, kwargs or {}, _wrap(out, tag))
+
+
+@_keeps_tag(c10d._wrap_tensor_autograd.default)
+def _rewrap_async(func, tag, args, kwargs, out):
+    # Tag inside the AsyncCollectiveTensor: its wait_tensor then sees a tagged tensor.
+    return AsyncCollectiveTensor(FSDPTaggedTensor(out.elem, tag))
+
+
+TAG_KEEPING_OPS = frozenset(_TAG_TABLE)
+"""Every op whose outputs keep the tag (for docs and tests)."""
+
+
+# ---------------------------------------------------------------- queries
+
+
+def get_fsdp_tag(t: Any) -> FSDPTag | None:
+    """The tag of ``t``, looking through DTensor and AsyncCollectiveTensor wrappers."""
+    while True:
+        if isinstance(t, FSDPTaggedTensor):
+            return t.tag
+        if isinstance(t, DTensor):
+            t = t._local_tensor
+        elif isinstance(t, AsyncCollectiveTensor):
+            t = t.elem
+        else:
+            return None
+
+
+def is_fsdp_tagged(t: Any) -> bool:
+    """True when ``t`` (or the local tensor inside its DTensor / AsyncCollectiveTensor
+    wrappers) is on the FSDP data path of a parameter.
+
+    Example::
+
+        >>> w = model.weight            # a parametrized access: gathered, tagged
+        >>> is_fsdp_tagged(w), is_fsdp_tagged(w.t()), is_fsdp_tagged(x @ w.t())
+        (True, True, False)
+    """
+    return get_fsdp_tag(t) is not None
+
+
+class _TagShard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, shard: torch.Tensor, tag: FSDPTag) -> torch.Tensor:
+        return FSDPTaggedTensor(shard.detach(), tag)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if isinstance(grad, FSDPTaggedTensor):
+            grad = grad._elem
+        return grad, None
+
+
+def tag_shard(shard: torch.Tensor, tag: FSDPTag) -> torch.Tensor:
+    """Differentiably wrap a parameter's local shard in an ``FSDPTaggedTensor``.
+
+    Gradients flow through unchanged and come back plain.
+    """
+    return _TagShard.apply(shard, tag)

@@ -1,0 +1,310 @@
+"""Multi-rank specification of ``fsdptag.parametrize`` (gloo, CPU).
+
+Each launch runs many cases and returns a dict; the tests below assert on it.
+"""
+
+from __future__ import annotations
+
+import functools
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from expecttest import assert_expected_inline
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import fsdptag
+from fsdptag.debug import CollectiveCounter, LiveStorageTracker
+
+from . import models
+from .harness import launch
+
+STEPS = 5
+
+
+def _run_cases(cases: dict) -> dict:
+    out = {}
+    for name, case in cases.items():
+        try:
+            out[name] = case()
+        except Exception:  # reported per case by the test that reads it
+            out[name] = "ERROR\n" + traceback.format_exc()
+        dist.barrier()
+    return out
+
+
+def _result(results: dict, name: str):
+    value = results[name]
+    if isinstance(value, str) and value.startswith("ERROR"):
+        pytest.fail(f"case {name!r} raised on rank 0:\n{value}")
+    return value
+
+
+# ---------------------------------------------------------------- cases
+
+
+def _parity(mesh, mode, reshard, *, dp_rank, dp_size, tp_mesh=None, mp=None):
+    ref = models.make_net()
+    model = models.clone(ref)
+    if tp_mesh is not None:
+        for block in model.layers:
+            parallelize_module(block, tp_mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    fsdptag.parametrize(model, mesh, mode=mode, reshard_after_forward=reshard, mp_policy=mp)
+    ref_losses = models.train_reference(ref, STEPS, dp_size, dp_rank)
+    losses, optim = models.train_parallel(model, STEPS, dp_size, dp_rank)
+    leaks = _tagged_leaks(model, optim)
+    return {
+        "loss": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
+        "params": models.max_rel_diff(models.full_params(model), models.full_params(ref)),
+        "leaks": leaks,
+    }
+
+
+def _tagged_leaks(model, optim) -> list[str]:
+    """Names of places where an FSDPTaggedTensor is reachable after training."""
+    found = []
+
+    def check(where, t):
+        if isinstance(t, torch.Tensor) and fsdptag.is_fsdp_tagged(t):
+            found.append(where)
+
+    for n, p in model.named_parameters():
+        check(f"param {n}", p)
+        check(f"grad {n}", p.grad)
+        for k, v in optim.state[p].items():
+            check(f"optim {n}.{k}", v)
+    for k, v in model.state_dict().items():
+        check(f"state_dict {k}", v)
+    return found
+
+
+def _collectives(mesh, mode, reshard, *, tp_mesh=None, dp_rank=0, dp_size=1):
+    model = models.make_net()
+    if tp_mesh is not None:
+        for block in model.layers:
+            parallelize_module(block, tp_mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    fsdptag.parametrize(model, mesh, mode=mode, reshard_after_forward=reshard)
+    tokens, targets = models.batch(0, dp_size)
+    with CollectiveCounter(mesh) as cc:
+        models.loss_fn(model(tokens[dp_rank]), targets[dp_rank]).backward()
+    return cc.summary()
+
+
+def _kept_bytes(mesh, reshard):
+    model = models.make_net()
+    fsdptag.parametrize(model, mesh, mode="fully_shard", reshard_after_forward=reshard)
+    tokens, targets = models.batch(0, mesh.size())
+    with LiveStorageTracker() as mem:
+        loss = models.loss_fn(model(tokens[mesh.get_local_rank()]), targets[mesh.get_local_rank()])
+    kept = mem.live_bytes()
+    loss.backward()
+    return kept
+
+
+def _weights_backward_needs() -> int:
+    """Bytes of the gathered params whose value backward uses: all but embedding and biases."""
+    net = models.make_net()
+    return sum(p.numel() * p.element_size() for n, p in net.named_parameters()
+               if not n.endswith("bias") and not n.startswith("tok."))
+
+
+def _bf16_vs_fsdp2(mesh):
+    from torch.distributed.fsdp import MixedPrecisionPolicy as FSDP2MP, fully_shard
+
+    dp_rank, dp_size = mesh.get_local_rank(), mesh.size()
+    ours, theirs = models.make_net(), models.make_net()
+    fsdptag.parametrize(ours, mesh, mode="fully_shard", reshard_after_forward=True,
+                        mp_policy=fsdptag.MixedPrecisionPolicy(torch.bfloat16, torch.float32))
+    mp2 = FSDP2MP(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in theirs.layers:
+        fully_shard(block, mesh=mesh, mp_policy=mp2)
+    fully_shard(theirs, mesh=mesh, mp_policy=mp2)
+    losses, _ = models.train_parallel(ours, STEPS, dp_size, dp_rank)
+    losses2, _ = models.train_parallel(theirs, STEPS, dp_size, dp_rank)
+    return {
+        "loss": max(abs(a - b) / abs(b) for a, b in zip(losses, losses2)),
+        "params": models.max_rel_diff(models.full_params(ours), models.full_params(theirs)),
+    }
+
+
+def _state_dict_collectives(mesh):
+    model = models.make_net()
+    fsdptag.parametrize(model, mesh, mode="fully_shard")
+    with CollectiveCounter(mesh) as cc:
+        sd = model.state_dict()
+    return {"collectives": len(cc.events), "types": sorted({type(v).__name__ for v in sd.values()})}
+
+
+def _per_module_tags(mesh):
+    model = models.make_net()
+    fsdptag.parametrize(model, mesh, mode="fully_shard",
+                        reshard_after_forward={"": True, "layers.0": False, "head": False})
+    tags = {}
+    for name in ("tok.weight", "layers.0.fc1.weight", "layers.1.fc1.weight", "head.weight"):
+        module_name, _, attr = name.rpartition(".")
+        tags[name] = fsdptag.get_fsdp_tag(getattr(model.get_submodule(module_name), attr))
+    return {k: (t.fqn, t.reshard_after_forward) for k, t in tags.items()}
+
+
+def _meta_init(mesh):
+    with torch.device("meta"):
+        model = models.Net()
+    fsdptag.parametrize(model, mesh, mode="fully_shard")
+    model.to_empty(device="cpu")
+    with fsdptag.disable_active_parametrization():
+        torch.manual_seed(0)
+        for m in model.modules():
+            if hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+        stored_type = type(model.head.weight).__name__
+    tokens, targets = models.batch(0, 1)
+    loss = models.loss_fn(model(tokens[0]), targets[0])
+    loss.backward()
+    return {"stored": stored_type, "finite": bool(torch.isfinite(loss)),
+            "grad": type(model.head._parameters["weight"].grad).__name__}
+
+
+def _bad_input(mesh, mesh2d):
+    """Each bad call must raise a clear error and leave the model as it was."""
+    out = {}
+
+    def attempt(name, fn_model, **kwargs):
+        model = fn_model()
+        before = {n: (id(p), type(p)) for n, p in model.named_parameters()}
+        classes = [type(m) for m in model.modules()]
+        try:
+            fsdptag.parametrize(model, **kwargs)
+            out[name] = "no error"
+            return
+        except (ValueError, TypeError) as e:
+            msg = f"{type(e).__name__}: {e}"
+        unchanged = (before == {n: (id(p), type(p)) for n, p in model.named_parameters()}
+                     and classes == [type(m) for m in model.modules()])
+        out[name] = msg + ("" if unchanged else "  [MODEL CHANGED]")
+
+    attempt("unknown mode", models.make_net, mesh=mesh, mode="zero3")
+    attempt("2d mesh for fully_shard", models.make_net, mesh=mesh2d, mode="fully_shard")
+    attempt("1d mesh for hybrid_shard", models.make_net, mesh=mesh, mode="hybrid_shard")
+
+    def twice():
+        m = models.make_net()
+        fsdptag.parametrize(m, mesh, mode="fully_shard")
+        return m
+
+    attempt("parametrize twice", twice, mesh=mesh, mode="fully_shard")
+
+    class Scalar(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.scale = nn.Parameter(torch.tensor(2.0))
+
+    attempt("0-dim parameter", Scalar, mesh=mesh, mode="fully_shard")
+    attempt("reshard of wrong type", models.make_net, mesh=mesh, mode="fully_shard",
+            reshard_after_forward="yes")
+    attempt("reshard names missing module", models.make_net, mesh=mesh, mode="fully_shard",
+            reshard_after_forward={"layers.7": False})
+    return out
+
+
+def worker_2ranks():
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    mesh2d = init_device_mesh("cpu", (1, 2), mesh_dim_names=("a", "b"))
+    r = dist.get_rank()
+    cases = {}
+    for mode in ("replicate", "fully_shard"):
+        for reshard in (False, True):
+            cases[f"parity {mode} zero{3 if reshard else 2}"] = functools.partial(
+                _parity, mesh, mode, reshard, dp_rank=r, dp_size=2)
+            cases[f"collectives {mode} zero{3 if reshard else 2}"] = functools.partial(
+                _collectives, mesh, mode, reshard, dp_rank=r, dp_size=2)
+    cases["kept zero2"] = functools.partial(_kept_bytes, mesh, False)
+    cases["kept zero3"] = functools.partial(_kept_bytes, mesh, True)
+    cases["bf16 vs fsdp2"] = functools.partial(_bf16_vs_fsdp2, mesh)
+    cases["state_dict"] = functools.partial(_state_dict_collectives, mesh)
+    cases["per-module tags"] = functools.partial(_per_module_tags, mesh)
+    cases["meta init"] = functools.partial(_meta_init, mesh)
+    cases["bad input"] = functools.partial(_bad_input, mesh, mesh2d)
+    return _run_cases(cases)
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return launch(2, worker_2ranks)
+
+
+# ---------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("mode", ["replicate", "fully_shard"])
+@pytest.mark.parametrize("zero", [2, 3])
+def test_parity_2ranks(two_ranks, mode, zero):
+    r = _result(two_ranks, f"parity {mode} zero{zero}")
+    assert r["loss"] < 1e-5 and r["params"] < 1e-5, r
+    assert r["leaks"] == []
+
+
+def test_collectives_2ranks(two_ranks):
+    # 16 parameters. zero2: no backward all-gather. zero3 re-gathers the 11 that
+    # autograd saves: 8 weights (not the embedding table) + the 3 LayerNorm biases,
+    # which aten's layer_norm saves for backward (it only checks they are defined).
+    got = {k: _result(two_ranks, k) for k in two_ranks if k.startswith("collectives")}
+    text = "\n".join(f"== {k}\n{v}" for k, v in got.items())
+    assert_expected_inline(text, """\
+== collectives replicate zero2
+backward all_reduce dp x16
+== collectives replicate zero3
+backward all_reduce dp x16
+== collectives fully_shard zero2
+forward  all_gather dp [fsdp] x16
+backward reduce_scatter dp x16
+== collectives fully_shard zero3
+forward  all_gather dp [fsdp] x16
+backward all_gather dp x11
+backward reduce_scatter dp x16""")
+
+
+def test_zero3_frees_gathered_params(two_ranks):
+    kept2, kept3 = _result(two_ranks, "kept zero2"), _result(two_ranks, "kept zero3")
+    needed = _weights_backward_needs()
+    assert abs((kept2 - kept3) - needed) <= 0.05 * needed, (kept2, kept3, needed)
+
+
+def test_bf16_matches_fsdp2(two_ranks):
+    r = _result(two_ranks, "bf16 vs fsdp2")
+    assert r["loss"] < 1e-3 and r["params"] < 1e-3, r
+
+
+def test_state_dict_has_no_collective(two_ranks):
+    r = _result(two_ranks, "state_dict")
+    assert r == {"collectives": 0, "types": ["DTensor"]}
+
+
+def test_per_module_reshard_recorded_in_tags(two_ranks):
+    assert _result(two_ranks, "per-module tags") == {
+        "tok.weight": ("tok.weight", True),
+        "layers.0.fc1.weight": ("layers.0.fc1.weight", False),
+        "layers.1.fc1.weight": ("layers.1.fc1.weight", True),
+        "head.weight": ("head.weight", False),
+    }
+
+
+def test_meta_init(two_ranks):
+    r = _result(two_ranks, "meta init")
+    assert r == {"stored": "DTensor", "finite": True, "grad": "DTensor"}
+
+
+def test_bad_input(two_ranks):
+    text = "\n".join(f"{k}: {v}" for k, v in _result(two_ranks, "bad input").items())
+    assert_expected_inline(text, """\
+unknown mode: ValueError: unknown mode='zero3'; use one of 'replicate', 'fully_shard', 'hybrid_shard'
+2d mesh for fully_shard: ValueError: data-parallel mesh has 2 dim(s) ('a', 'b') but mode='fully_shard' needs 1; use mode='hybrid_shard' or pass one dim, e.g. mesh['b']
+1d mesh for hybrid_shard: ValueError: data-parallel mesh has 1 dim(s) ('dp',) but mode='hybrid_shard' needs 2; pass a 2D mesh (replicate, shard) or use mode='fully_shard'
+parametrize twice: ValueError: Net is already parametrized by fsdptag; call fsdptag.parametrize once, on the root module
+0-dim parameter: ValueError: parameter 'scale' has shape (), which has no dim 0 to shard; reshape it to at least 1 dims or use mode='replicate'
+reshard of wrong type: TypeError: reshard_after_forward='yes' must be a bool, a callable (module_fqn, module) -> bool, or a dict of module-FQN prefixes to bools
+reshard names missing module: ValueError: reshard_after_forward names module 'layers.7', which is not in the model; use module FQNs from model.named_modules() ("" sets the default)""")
