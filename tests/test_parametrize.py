@@ -308,3 +308,86 @@ parametrize twice: ValueError: Net is already parametrized by fsdptag; call fsdp
 0-dim parameter: ValueError: parameter 'scale' has shape (), which has no dim 0 to shard; reshape it to at least 1 dims or use mode='replicate'
 reshard of wrong type: TypeError: reshard_after_forward='yes' must be a bool, a callable (module_fqn, module) -> bool, or a dict of module-FQN prefixes to bools
 reshard names missing module: ValueError: reshard_after_forward names module 'layers.7', which is not in the model; use module FQNs from model.named_modules() ("" sets the default)""")
+
+
+# ---------------------------------------------------------------- 4 ranks: HSDP, TP, uneven
+
+
+def _tp_collectives_consistent(mesh):
+    """zero3, 34 rows over 4 ranks: ranks that pad and ranks that do not must agree."""
+    summary = _collectives(mesh, "fully_shard", True, dp_rank=mesh.get_local_rank(), dp_size=4)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, summary)
+    return len(set(everyone))
+
+
+def worker_4ranks():
+    r = dist.get_rank()
+    flat = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    dp_tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    hsdp_tp = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
+    dp_rank = dp_tp["dp"].get_local_rank()
+    cases = {}
+    for reshard in (False, True):
+        z = f"zero{3 if reshard else 2}"
+        cases[f"parity fully_shard 4 {z}"] = functools.partial(
+            _parity, flat, "fully_shard", reshard, dp_rank=r, dp_size=4)
+        cases[f"parity hybrid_shard 2x2 {z}"] = functools.partial(
+            _parity, hsdp, "hybrid_shard", reshard, dp_rank=r, dp_size=4)
+        cases[f"parity fsdp+tp 2x2 {z}"] = functools.partial(
+            _parity, dp_tp, "fully_shard", reshard, dp_rank=dp_rank, dp_size=2, tp_mesh=dp_tp["tp"])
+        cases[f"parity hsdp+tp 1x2x2 {z}"] = functools.partial(
+            _parity, hsdp_tp, "hybrid_shard", reshard, dp_rank=dp_rank, dp_size=2,
+            tp_mesh=hsdp_tp["tp"])
+        cases[f"collectives hybrid_shard 2x2 {z}"] = functools.partial(
+            _collectives, hsdp, "hybrid_shard", reshard, dp_rank=r, dp_size=4)
+        cases[f"collectives fsdp+tp 2x2 {z}"] = functools.partial(
+            _collectives, dp_tp, "fully_shard", reshard, tp_mesh=dp_tp["tp"],
+            dp_rank=dp_rank, dp_size=2)
+    cases["uneven zero3 ranks agree"] = functools.partial(_tp_collectives_consistent, flat)
+    return _run_cases(cases)
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return launch(4, worker_4ranks)
+
+
+@pytest.mark.parametrize("config", ["fully_shard 4", "hybrid_shard 2x2", "fsdp+tp 2x2",
+                                    "hsdp+tp 1x2x2"])
+@pytest.mark.parametrize("zero", [2, 3])
+def test_parity_4ranks(four_ranks, config, zero):
+    r = _result(four_ranks, f"parity {config} zero{zero}")
+    assert r["loss"] < 1e-5 and r["params"] < 1e-5, r
+    assert r["leaks"] == []
+
+
+def test_collectives_4ranks(four_ranks):
+    got = {k: _result(four_ranks, k) for k in four_ranks if k.startswith("collectives")}
+    text = "\n".join(f"== {k}\n{v}" for k, v in got.items())
+    assert_expected_inline(text, """\
+== collectives hybrid_shard 2x2 zero2
+forward  all_gather shard [fsdp] x16
+backward all_reduce replicate x16
+backward reduce_scatter shard x16
+== collectives fsdp+tp 2x2 zero2
+forward  all_gather dp [fsdp] x16
+forward  all_reduce tp x2
+backward all_reduce tp x2
+backward reduce_scatter dp x16
+== collectives hybrid_shard 2x2 zero3
+forward  all_gather shard [fsdp] x16
+backward all_gather shard x11
+backward all_reduce replicate x16
+backward reduce_scatter shard x16
+== collectives fsdp+tp 2x2 zero3
+forward  all_gather dp [fsdp] x16
+forward  all_reduce tp x2
+backward all_gather dp x11
+backward all_reduce tp x2
+backward reduce_scatter dp x16""")
+
+
+def test_uneven_shards_all_ranks_agree(four_ranks):
+    assert _result(four_ranks, "uneven zero3 ranks agree") == 1
