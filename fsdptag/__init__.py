@@ -1,5 +1,6 @@
 """fsdptag: SimpleFSDP-style eager data parallelism whose FSDP traffic carries a provenance tag."""
 
+from ._checkpoint import ACMode, DEFAULT_SAVE_OPS, apply_ac, checkpoint_context_fn, checkpoint_policy
 from ._parametrize import (
     DataParallelMode,
     MixedPrecisionPolicy,
@@ -11,6 +12,11 @@ from ._parametrize import (
 from ._tag import FSDPTag, FSDPTaggedTensor, get_fsdp_tag, is_fsdp_tagged
 
 __all__ = [
+    "ACMode",
+    "DEFAULT_SAVE_OPS",
+    "apply_ac",
+    "checkpoint_context_fn",
+    "checkpoint_policy",
     "DataParallelMode",
     "FSDPTag",
     "FSDPTaggedTensor",

@@ -1,0 +1,321 @@
+"""Activation checkpointing that decides FSDP results by their tag.
+
+Note [Tagged checkpoint policy]
+-------------------------------
+Under activation checkpointing the backward recompute re-runs the forward, so
+every FSDP all-gather in the region runs again. Saving ops by name
+(``all_gather_into_tensor``, ``wait_tensor``, ``_to_copy``) avoids that but also
+saves the tensor-parallel all-gathers and every activation cast in the region.
+
+fsdptag's policy looks at ``ctx.op_output`` instead:
+
+* FSDP-tagged, zero2 (``reshard_after_forward=False``): ``MUST_SAVE`` the
+  all-gather result (``all_gather_into_tensor`` and its ``wait_tensor``, one
+  buffer); the pre-gather cast, padding and the views after the gather are
+  ``MUST_RECOMPUTE`` (local and cheap; views of the saved buffer cost nothing).
+  The recompute then gets the gathered buffer from the cache: no collective.
+* FSDP-tagged, zero3: ``MUST_RECOMPUTE`` everything, views included, so no
+  saved alias keeps the gathered buffer alive; the recompute gathers each
+  parameter of the region once.
+* anything else: the user's ``base`` policy (an op list, a policy function, or
+  ``None`` = recompute, i.e. full AC). ``_wrap_tensor_autograd`` is never saved
+  (it would break checkpoint's saved-tensor count).
+
+The SAC policy runs only in forward; the recompute replays decisions by per-op
+index. ``checkpoint_context_fn`` adds a check to that replay: each
+``all_gather_into_tensor`` in the recompute must gather the same parameter (by
+FQN) as the forward did at that index, or fsdptag raises naming both.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    _CachedTorchDispatchMode,
+    _CachingTorchDispatchMode,
+    checkpoint,
+)
+
+from ._tag import get_fsdp_tag
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+__all__ = ["ACMode", "DEFAULT_SAVE_OPS", "apply_ac", "checkpoint_context_fn", "checkpoint_policy"]
+
+Policy = Callable[..., CheckpointPolicy]
+
+_GATHER_RESULT_OPS = frozenset({c10d.all_gather_into_tensor.default, c10d.wait_tensor.default})
+
+DEFAULT_SAVE_OPS = frozenset(
+    op for op in (
+        aten.mm.default,
+        aten._scaled_dot_product_efficient_attention.default,
+        aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+        getattr(aten, "_scaled_dot_product_cudnn_attention", None)
+        and aten._scaled_dot_product_cudnn_attention.default,
+        c10d.reduce_scatter_tensor.default,
+        aten.max.default,
+    ) if op
+)
+"""torchtitan's selective-AC save list; every second ``mm`` is still recomputed."""
+
+
+class ACMode(enum.Enum):
+    NONE = "none"
+    FULL = "full"
+    SELECTIVE = "selective"
+
+
+def _output_tag(out: Any):
+    if isinstance(out, (list, tuple)):
+        out = out[0] if out else None
+    return get_fsdp_tag(out) if isinstance(out, torch.Tensor) else None
+
+
+class _SaveOps:
+    """Save the outputs of ``ops``, except every second ``mm`` (torchtitan's rule).
+
+    Holds a per-region ``mm`` counter: ``checkpoint_context_fn`` makes a fresh
+    copy for each checkpointed call.
+    """
+
+    def __init__(self, ops: Iterable, every_other_mm: bool = True) -> None:
+        self.ops = frozenset(ops)
+        self.every_other_mm = every_other_mm
+        self.mm_count = 0
+
+    def fresh(self) -> "_SaveOps":
+        return _SaveOps(self.ops, self.every_other_mm)
+
+    def __call__(self, ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        if func is aten.mm.default and self.every_other_mm:
+            self.mm_count += 1
+            if self.mm_count % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if func in self.ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _as_policy(base) -> Policy:
+    if base is None:
+        return lambda ctx, func, *args, **kwargs: CheckpointPolicy.PREFER_RECOMPUTE
+    if isinstance(base, (list, tuple, set, frozenset)):
+        bad = [op for op in base if not isinstance(op, torch._ops.OpOverload)]
+        if bad:
+            raise TypeError(
+                f"base op list holds {bad[0]!r}, which is not an OpOverload; name the overload, "
+                "e.g. torch.ops.aten.mm.default rather than torch.ops.aten.mm"
+            )
+        return _SaveOps(base, every_other_mm=False)
+    if callable(base):
+        return base
+    raise TypeError(
+        f"base={base!r} must be None (recompute everything), a list of ops to save, "
+        "or a policy function (ctx, func, *args, **kwargs) -> CheckpointPolicy"
+    )
+
+
+def checkpoint_policy(base=None) -> Policy:
+    """A selective-checkpoint policy: FSDP-tagged results by their tag, the rest by ``base``.
+
+    See Note [Tagged checkpoint policy]. ``base`` is ``None`` (recompute all:
+    full AC), a list of ops to save, or a policy function. On a model that was
+    never parametrized nothing is tagged, so this is just ``base``.
+
+    Example::
+
+        >>> policy = fsdptag.checkpoint_policy([torch.ops.aten.mm.default])
+        >>> ctx_fn = functools.partial(create_selective_checkpoint_contexts, policy)
+    """
+    base_fn = _as_policy(base)
+    save, recompute = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.MUST_RECOMPUTE
+
+    def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        tag = _output_tag(ctx.op_output)
+        if tag is None:
+            return base_fn(ctx, func, *args, **kwargs)
+        if not tag.reshard_after_forward and func in _GATHER_RESULT_OPS:
+            return save
+        return recompute
+
+    return policy
+
+
+def _gather_fqn(args) -> str | None:
+    tag = get_fsdp_tag(args[0]) if args else None
+    return tag.fqn if tag is not None else None
+
+
+class _RecordingCachingMode(_CachingTorchDispatchMode):
+    """SAC's forward mode, also recording which parameter each all-gather gathered."""
+
+    def __init__(self, policy_fn, storage, gathered: list) -> None:
+        super().__init__(policy_fn, storage)
+        self.gathered = gathered
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is c10d.all_gather_into_tensor.default:
+            self.gathered.append(_gather_fqn(args))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+_SAC_ERRORS = ("not found in storage", "backward an extra time")
+
+
+class _CheckingCachedMode(_CachedTorchDispatchMode):
+    """SAC's recompute mode, checking the all-gathers replay the forward's parameters."""
+
+    def __init__(self, storage, gathered: list) -> None:
+        super().__init__(None, storage)
+        self.gathered = gathered
+        self.gather_idx = 0
+
+    def __enter__(self):
+        self.gather_idx = 0
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is c10d.all_gather_into_tensor.default:
+            i, self.gather_idx = self.gather_idx, self.gather_idx + 1
+            expected = self.gathered[i] if i < len(self.gathered) else "<no all-gather>"
+            actual = _gather_fqn(args)
+            if actual != expected:
+                raise RuntimeError(
+                    f"fsdptag: activation-checkpoint replay mismatch at all-gather #{i}: forward "
+                    f"gathered {_describe(expected)} but the recompute gathers {_describe(actual)}. "
+                    "A checkpointed region must access the same parameters in the same order "
+                    "in forward and recompute (no data-dependent control flow over parameters)."
+                )
+        try:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        except RuntimeError as e:
+            if not any(s in str(e) for s in _SAC_ERRORS):
+                raise
+            fqn = _gather_fqn(args)
+            where = f" on FSDP parameter {fqn!r}" if fqn else ""
+            raise RuntimeError(
+                f"fsdptag: activation-checkpoint replay failed at {func}{where}: {e} "
+                "(a checkpointed region can be backwarded once; retain_graph=True and double "
+                "backward are not supported)"
+            ) from e
+
+
+def _describe(fqn) -> str:
+    return "a non-FSDP tensor (e.g. a TP all-gather)" if fqn is None else repr(fqn)
+
+
+def checkpoint_context_fn(base=None) -> Callable[[], tuple[Any, Any]]:
+    """The ``context_fn`` for ``torch.utils.checkpoint.checkpoint`` with :func:`checkpoint_policy`.
+
+    Each call builds fresh SAC modes (and a fresh copy of a stateful ``base`` such
+    as the default save list) plus the replay check of Note [Tagged checkpoint policy].
+
+    Example::
+
+        >>> ctx_fn = fsdptag.checkpoint_context_fn([torch.ops.aten.mm.default])
+        >>> y = checkpoint(block, x, use_reentrant=False, context_fn=ctx_fn)
+    """
+    _as_policy(base)  # validate now, not at the first forward
+
+    def context_fn():
+        fresh = base.fresh() if isinstance(base, _SaveOps) else base
+        storage: dict = collections.defaultdict(dict)
+        gathered: list = []
+        return (
+            _RecordingCachingMode(checkpoint_policy(fresh), storage, gathered),
+            _CheckingCachedMode(storage, gathered),
+        )
+
+    return context_fn
+
+
+# ---------------------------------------------------------------- apply_ac
+
+_AC_CLASS_CACHE: dict[type, type] = {}
+
+
+def _checkpointed_class(cls: type) -> type:
+    ac_cls = _AC_CLASS_CACHE.get(cls)
+    if ac_cls is None:
+
+        def forward(self, *args, **kwargs):
+            return checkpoint(
+                super(ac_cls, self).forward, *args, use_reentrant=False,
+                context_fn=self._fsdptag_ac_context_fn, **kwargs,
+            )
+
+        ac_cls = type(f"Checkpointed{cls.__name__}", (cls,), {"forward": forward})
+        _AC_CLASS_CACHE[cls] = ac_cls
+    return ac_cls
+
+
+def apply_ac(
+    model: nn.Module,
+    mode: str | ACMode,
+    *,
+    blocks: Sequence[nn.Module] | None = None,
+    save_ops: Iterable | None = None,
+    layer_every: int | None = None,
+) -> nn.Module:
+    """Checkpoint ``model``'s blocks with fsdptag's tagged policy, torchtitan style.
+
+    ``mode``: ``"none"``, ``"full"`` (recompute everything but zero2 gathered
+    parameters) or ``"selective"``: without ``layer_every``, op-level SAC saving
+    ``save_ops`` (default :data:`DEFAULT_SAVE_OPS`, every second ``mm``
+    recomputed); with ``layer_every=N``, full AC on every Nth block (blocks
+    N-1, 2N-1, ...), torchtitan's layer-selective AC. ``blocks`` defaults to the
+    children of ``model.layers``. Works before or after ``fsdptag.parametrize``.
+
+    Example::
+
+        >>> fsdptag.parametrize(model, mesh, mode="fully_shard", reshard_after_forward=False)
+        >>> fsdptag.apply_ac(model, "selective")
+    """
+    try:
+        mode = ACMode(mode)
+    except ValueError:
+        raise ValueError(
+            f"unknown AC mode={mode!r}; use one of {', '.join(repr(m.value) for m in ACMode)}"
+        ) from None
+    if layer_every is not None and (isinstance(layer_every, bool) or not isinstance(layer_every, int)
+                                    or layer_every < 1):
+        raise ValueError(f"layer_every={layer_every!r} must be a positive int (1 = every block)")
+    if save_ops is not None:
+        if mode is not ACMode.SELECTIVE:
+            raise ValueError(f"save_ops only applies to mode='selective', not {mode.value!r}")
+        save_ops = list(save_ops)
+        _as_policy(save_ops)
+    if blocks is None:
+        layers = getattr(model, "layers", None)
+        if not isinstance(layers, nn.Module):
+            raise ValueError(
+                f"{type(model).__name__} has no `layers` container; pass blocks=[...] explicitly"
+            )
+        blocks = list(layers.children())
+    blocks = list(blocks)
+    for block in blocks:
+        if "_fsdptag_ac_context_fn" in block.__dict__:
+            raise ValueError(f"{type(block).__name__} already has activation checkpointing applied")
+    if mode is ACMode.NONE:
+        return model
+
+    if save_ops is not None:
+        base = _SaveOps(save_ops, every_other_mm=False)
+    elif mode is ACMode.SELECTIVE and layer_every is None:
+        base = _SaveOps(DEFAULT_SAVE_OPS)
+    else:
+        base = None
+    every = layer_every or 1
+    for i, block in enumerate(blocks):
+        if (i + 1) % every:
+            continue
+        block.__dict__["_fsdptag_ac_context_fn"] = checkpoint_context_fn(base)
+        block.__class__ = _checkpointed_class(type(block))
+    return model
