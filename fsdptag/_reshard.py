@@ -15,7 +15,7 @@ So while the root module's forward runs we push ``saved_tensors_hooks``:
   gathered buffer); every other tensor is kept as is. No per-op dispatch cost:
   the hook only runs for tensors autograd saves.
 * unpack: the first handle of a parameter re-gathers it (one all-gather, no
-  autograd graph, untagged) and rebuilds the view with ``as_strided``; further
+  autograd graph; what backward gets is untagged) and rebuilds the view with ``as_strided``; further
   handles of the same parameter in the same backward reuse it, and the buffer
   is dropped when the last handle of that forward is unpacked.
 
@@ -37,22 +37,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from torch.autograd.graph import saved_tensors_hooks
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
-from ._tag import FSDPTaggedTensor, get_fsdp_tag
-
-
-def _innermost(t: torch.Tensor) -> torch.Tensor:
-    while True:
-        if isinstance(t, DTensor):
-            t = t._local_tensor
-        elif isinstance(t, AsyncCollectiveTensor):
-            t = t.elem
-        elif isinstance(t, FSDPTaggedTensor):
-            t = t._elem
-        else:
-            return t
+from ._tag import get_fsdp_tag, innermost as _innermost
 
 
 class _Regather:
@@ -68,7 +55,8 @@ class _Regather:
     def take(self) -> torch.Tensor:
         if self.buffer is None:
             with torch.no_grad():
-                gathered = self.access.gather(self.module._parameters[self.name], tagged=False)
+                # Tagged so collective traces attribute it; the tag is stripped below.
+                gathered = self.access.gather(self.module._parameters[self.name], tagged=True)
             self.buffer = _innermost(gathered)
         buffer = self.buffer
         self.pending -= 1

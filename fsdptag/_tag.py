@@ -237,6 +237,19 @@ def get_fsdp_tag(t: Any) -> FSDPTag | None:
             return None
 
 
+def innermost(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor inside DTensor / AsyncCollectiveTensor / FSDPTaggedTensor wrappers."""
+    while True:
+        if isinstance(t, DTensor):
+            t = t._local_tensor
+        elif isinstance(t, AsyncCollectiveTensor):
+            t = t.elem
+        elif isinstance(t, FSDPTaggedTensor):
+            t = t._elem
+        else:
+            return t
+
+
 def is_fsdp_tagged(t: Any) -> bool:
     """True when ``t`` (or the local tensor inside its DTensor / AsyncCollectiveTensor
     wrappers) is on the FSDP data path of a parameter.

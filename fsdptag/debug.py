@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._tag import is_fsdp_tagged
+from ._tag import get_fsdp_tag
 
 __all__ = ["CollectiveCounter", "CollectiveEvent", "LiveStorageTracker"]
 
@@ -48,8 +48,12 @@ class CollectiveEvent:
     phase: str  # "forward" or "backward" (anything run by the autograd engine)
     kind: str  # all_gather | reduce_scatter | all_reduce | all_to_all | broadcast
     group: str  # the mesh dim name(s) of the process group, or its group name
-    fsdp_tagged: bool  # the input carried an FSDP tag
+    fqn: str | None  # the FSDP parameter whose tag the input carried, else None
     nbytes: int  # bytes of the collective's input
+
+    @property
+    def fsdp_tagged(self) -> bool:
+        return self.fqn is not None
 
 
 def _tensor_bytes(x) -> int:
@@ -58,6 +62,12 @@ def _tensor_bytes(x) -> int:
     if isinstance(x, (list, tuple)):
         return sum(_tensor_bytes(y) for y in x)
     return 0
+
+
+def _first_tag(x):
+    if isinstance(x, (list, tuple)):
+        x = x[0] if x else None
+    return get_fsdp_tag(x) if isinstance(x, torch.Tensor) else None
 
 
 def _group_name(arg) -> str:
@@ -95,15 +105,15 @@ class CollectiveCounter(TorchDispatchMode):
         if spec is not None:
             kind, group_idx = spec
             group = _group_name(args[group_idx] if len(args) > group_idx else kwargs.get("group_name"))
+            # c10d's in-place all-gathers take (output, input); everything else input first.
+            data = args[1] if func.namespace == "c10d" and kind == "all_gather" else args[0]
+            tag = _first_tag(data)
             self.events.append(CollectiveEvent(
                 "backward" if torch._C._current_graph_task_id() != -1 else "forward",
                 kind,
                 self.labels.get(group, group),
-                is_fsdp_tagged(args[0]) or (
-                    isinstance(args[0], (list, tuple)) and any(map(is_fsdp_tagged, args[0]))
-                ),
-                _tensor_bytes(args[0] if kind != "all_gather" or func.namespace == "_c10d_functional"
-                              else args[1]),
+                tag.fqn if tag is not None else None,
+                _tensor_bytes(data),
             ))
         return func(*args, **kwargs)
 
@@ -152,10 +162,13 @@ def _plain_tensors(x, out: list) -> list:
 
 
 class LiveStorageTracker(TorchDispatchMode):
-    """Track the storages created by ops run under this mode (through subclasses).
+    """Track the storages that ops under this mode create (and, optionally, read).
 
-    ``live_bytes()`` is the total size of those still alive: run a forward under
-    the tracker and read it before backward to get the bytes kept for backward.
+    ``live_bytes()`` is the current size of those still alive. Run a forward
+    under the tracker and read it before backward for the bytes allocated in
+    forward and kept for backward. With ``track_inputs=True`` storages that
+    already existed (parameters, FSDP2's resizable unsharded buffers) count too:
+    then take the difference between the end of forward and after backward.
 
     Example::
 
@@ -164,25 +177,33 @@ class LiveStorageTracker(TorchDispatchMode):
         >>> mem.live_bytes()
     """
 
-    def __init__(self) -> None:
+    def __init__(self, track_inputs: bool = False) -> None:
         super().__init__()
-        self._storages: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.track_inputs = track_inputs
+        self._storages: dict[int, StorageWeakRef] = {}
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in _plain_tensors(out, []):
+    def _track(self, x) -> None:
+        for t in _plain_tensors(x, []):
             if t.device.type == "meta":
                 continue
             storage = t.untyped_storage()
-            key = storage._cdata
-            known = self._storages.get(key)
-            if known is None or known[0].expired():  # addresses are reused after frees
-                self._storages[key] = (StorageWeakRef(storage), storage.nbytes())
+            known = self._storages.get(storage._cdata)
+            if known is None or known.expired():  # addresses are reused after frees
+                self._storages[storage._cdata] = StorageWeakRef(storage)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self._track(out)
+        if self.track_inputs:
+            self._track((args, tuple(kwargs.values())))
         return out
 
     def live_bytes(self) -> int:
-        """Bytes of tracked storages that are still alive (after a ``gc.collect``)."""
+        """Current bytes of the tracked storages still alive (after a ``gc.collect``)."""
         gc.collect()
-        alive = {k: v for k, v in self._storages.items() if not v[0].expired()}
-        self._storages = alive
-        return sum(nbytes for _, nbytes in alive.values())
+        self._storages = {k: ref for k, ref in self._storages.items() if not ref.expired()}
+        return sum(
+            torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
+            for ref in self._storages.values()
+        )

@@ -91,7 +91,9 @@ def _collectives(mesh, mode, reshard, *, tp_mesh=None, dp_rank=0, dp_size=1):
     tokens, targets = models.batch(0, dp_size)
     with CollectiveCounter(mesh) as cc:
         models.loss_fn(model(tokens[dp_rank]), targets[dp_rank]).backward()
-    return cc.summary()
+    regathered = sorted(e.fqn for e in cc.events if e.phase == "backward" and e.fqn)
+    assert len(regathered) == len(set(regathered)), regathered  # never twice
+    return cc.summary() + (f"\nre-gathered: {' '.join(regathered)}" if regathered else "")
 
 
 def _kept_bytes(mesh, reshard):
@@ -264,8 +266,9 @@ forward  all_gather dp [fsdp] x16
 backward reduce_scatter dp x16
 == collectives fully_shard zero3
 forward  all_gather dp [fsdp] x16
-backward all_gather dp x11
-backward reduce_scatter dp x16""")
+backward all_gather dp [fsdp] x11
+backward reduce_scatter dp x16
+re-gathered: head.weight layers.0.fc1.weight layers.0.fc2.weight layers.0.norm.bias layers.0.norm.weight layers.1.fc1.weight layers.1.fc2.weight layers.1.norm.bias layers.1.norm.weight norm.bias norm.weight""")
 
 
 def test_zero3_frees_gathered_params(two_ranks):
@@ -380,15 +383,17 @@ backward all_reduce tp x2
 backward reduce_scatter dp x16
 == collectives hybrid_shard 2x2 zero3
 forward  all_gather shard [fsdp] x16
-backward all_gather shard x11
+backward all_gather shard [fsdp] x11
 backward all_reduce replicate x16
 backward reduce_scatter shard x16
+re-gathered: head.weight layers.0.fc1.weight layers.0.fc2.weight layers.0.norm.bias layers.0.norm.weight layers.1.fc1.weight layers.1.fc2.weight layers.1.norm.bias layers.1.norm.weight norm.bias norm.weight
 == collectives fsdp+tp 2x2 zero3
 forward  all_gather dp [fsdp] x16
 forward  all_reduce tp x2
-backward all_gather dp x11
+backward all_gather dp [fsdp] x11
 backward all_reduce tp x2
-backward reduce_scatter dp x16""")
+backward reduce_scatter dp x16
+re-gathered: head.weight layers.0.fc1.weight layers.0.fc2.weight layers.0.norm.bias layers.0.norm.weight layers.1.fc1.weight layers.1.fc2.weight layers.1.norm.bias layers.1.norm.weight norm.bias norm.weight""")
 
 
 def test_uneven_shards_all_ranks_agree(four_ranks):
