@@ -231,6 +231,34 @@ def _errors(mesh):
     return out
 
 
+def _sac_saved(mesh):
+    """What SAC stores inside checkpointed blocks under full AC: only tagged gathers (zero2)."""
+    from torch.utils.checkpoint import _RECOMPUTE
+
+    out = {}
+    for reshard in (False, True):
+        model = _build(mesh, "fully_shard", reshard)
+        stores = []
+        for block in model.layers:
+            ctx_fn = fsdptag.checkpoint_context_fn(None)
+
+            def spy(ctx_fn=ctx_fn):
+                fwd, rec = ctx_fn()
+                stores.append(fwd.storage)
+                return fwd, rec
+
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False,
+                                              context_fn=spy)
+        loss = model(_tokens(mesh.get_local_rank())).float().sum()
+        saved = collections.Counter(
+            str(func) for store in stores for func, entries in store.items()
+            for value in entries.values() if value is not _RECOMPUTE
+        )
+        loss.backward()
+        out[f"zero{3 if reshard else 2}"] = dict(saved)
+    return out
+
+
 # ---------------------------------------------------------------- launches
 
 
@@ -252,6 +280,7 @@ def worker_2ranks():
         "ddp": functools.partial(_matrix, "DDP", mesh, "replicate", dp_rank=r),
         "fsdp": functools.partial(_matrix, "FSDP", mesh, "fully_shard", dp_rank=r),
         "errors": functools.partial(_errors, mesh),
+        "sac saved": functools.partial(_sac_saved, mesh),
     })
 
 
@@ -358,6 +387,16 @@ def test_memory_vs_op_name_policy_and_fsdp2(results, ac):
     a, b, c, extra = m["a"], m["b"], m["c"], m["b_extra"]
     assert a <= c * 1.01, m
     assert extra > 0 and b - a >= extra, m
+
+
+def test_full_ac_saves_only_tagged_gathers(results):
+    # 2 blocks x 9 parameters: each gather's buffer saved once (all-gather and its
+    # wait share it); zero3 saves nothing inside the blocks.
+    assert _get(results, "sac saved") == {
+        "zero2": {"_c10d_functional.all_gather_into_tensor.default": 18,
+                  "_c10d_functional.wait_tensor.default": 18},
+        "zero3": {},
+    }
 
 
 def test_errors_name_fsdptag_and_the_parameter(results):
