@@ -278,6 +278,14 @@ def apply_ac(
         >>> fsdptag.parametrize(model, mesh, mode="fully_shard", reshard_after_forward=False)
         >>> fsdptag.apply_ac(model, "selective")
     """
+    mode, base, blocks = _parse_ac(model, mode, blocks, save_ops, layer_every)
+    if mode is not ACMode.NONE:
+        checkpoint_blocks(blocks, lambda: checkpoint_context_fn(base), layer_every)
+    return model
+
+
+def _parse_ac(model, mode, blocks, save_ops, layer_every):
+    """Validate ``apply_ac``'s arguments; return (mode, base policy, blocks)."""
     try:
         mode = ACMode(mode)
     except ValueError:
@@ -303,19 +311,26 @@ def apply_ac(
     for block in blocks:
         if "_fsdptag_ac_context_fn" in block.__dict__:
             raise ValueError(f"{type(block).__name__} already has activation checkpointing applied")
-    if mode is ACMode.NONE:
-        return model
-
     if save_ops is not None:
         base = _SaveOps(save_ops, every_other_mm=False)
     elif mode is ACMode.SELECTIVE and layer_every is None:
         base = _SaveOps(DEFAULT_SAVE_OPS)
     else:
         base = None
+    return mode, base, blocks
+
+
+def checkpoint_blocks(
+    blocks: Sequence[nn.Module], make_context_fn: Callable[[], Callable], layer_every: int | None = None
+) -> None:
+    """Checkpoint every ``layer_every``-th of ``blocks`` (all by default) with ``make_context_fn()``.
+
+    The block keeps its FQN and parameters: its class gains a ``forward`` that runs
+    the original one under non-reentrant ``checkpoint``.
+    """
     every = layer_every or 1
     for i, block in enumerate(blocks):
         if (i + 1) % every:
             continue
-        block.__dict__["_fsdptag_ac_context_fn"] = checkpoint_context_fn(base)
+        block.__dict__["_fsdptag_ac_context_fn"] = make_context_fn()
         block.__class__ = _checkpointed_class(type(block))
-    return model

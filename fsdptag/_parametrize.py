@@ -92,6 +92,7 @@ ReshardPolicy = Union[bool, Callable[[str, nn.Module], bool], Mapping[str, bool]
 
 class _ParametrizationState(threading.local):
     active = True
+    tagging = True
 
 
 _state = _ParametrizationState()
@@ -119,6 +120,21 @@ def disable_active_parametrization() -> Iterator[None]:
         yield
     finally:
         _state.active = previous
+
+
+@contextlib.contextmanager
+def disable_tagging() -> Iterator[None]:
+    """Gather parameters without the provenance tag (to measure the tag's overhead).
+
+    Without tags the checkpoint policy cannot see FSDP results and zero3 keeps
+    gathered parameters like zero2; use it for measurements only.
+    """
+    previous = _state.tagging
+    _state.tagging = False
+    try:
+        yield
+    finally:
+        _state.tagging = previous
 
 
 class _ParamAccess:
@@ -152,7 +168,7 @@ class _ParamAccess:
     def __call__(self, stored: DTensor) -> torch.Tensor:
         if not _state.active:
             return stored
-        return self.gather(stored, tagged=True)
+        return self.gather(stored, tagged=_state.tagging)
 
     def gather(self, stored: DTensor, *, tagged: bool) -> torch.Tensor:
         """All-gather ``stored`` over the dp mesh; differentiable."""

@@ -17,9 +17,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ._parametrize import disable_tagging
 from ._tag import get_fsdp_tag
 
-__all__ = ["CollectiveCounter", "CollectiveEvent", "LiveStorageTracker"]
+__all__ = ["CollectiveCounter", "CollectiveEvent", "LiveStorageTracker", "disable_tagging"]
 
 _f = torch.ops._c10d_functional
 _c = torch.ops.c10d
@@ -49,7 +50,7 @@ class CollectiveEvent:
     kind: str  # all_gather | reduce_scatter | all_reduce | all_to_all | broadcast
     group: str  # the mesh dim name(s) of the process group, or its group name
     fqn: str | None  # the FSDP parameter whose tag the input carried, else None
-    nbytes: int  # bytes of the collective's input
+    nbytes: int  # bytes moved: the output of an all-gather, the input of anything else
 
     @property
     def fsdp_tagged(self) -> bool:
@@ -108,12 +109,15 @@ class CollectiveCounter(TorchDispatchMode):
             # c10d's in-place all-gathers take (output, input); everything else input first.
             data = args[1] if func.namespace == "c10d" and kind == "all_gather" else args[0]
             tag = _first_tag(data)
+            nbytes = _tensor_bytes(data)
+            if kind == "all_gather":
+                nbytes = _tensor_bytes(args[0]) if func.namespace == "c10d" else nbytes * args[1]
             self.events.append(CollectiveEvent(
                 "backward" if torch._C._current_graph_task_id() != -1 else "forward",
                 kind,
                 self.labels.get(group, group),
                 tag.fqn if tag is not None else None,
-                _tensor_bytes(data),
+                nbytes,
             ))
         return func(*args, **kwargs)
 
@@ -177,9 +181,11 @@ class LiveStorageTracker(TorchDispatchMode):
         >>> mem.live_bytes()
     """
 
-    def __init__(self, track_inputs: bool = False) -> None:
+    def __init__(self, track_inputs: bool = False, track_peak: bool = False) -> None:
         super().__init__()
         self.track_inputs = track_inputs
+        self.track_peak = track_peak
+        self.peak_bytes = 0  # with track_peak: max live bytes seen after any op (costs O(live) per op)
         self._storages: dict[int, StorageWeakRef] = {}
 
     def _track(self, x) -> None:
@@ -197,11 +203,16 @@ class LiveStorageTracker(TorchDispatchMode):
         self._track(out)
         if self.track_inputs:
             self._track((args, tuple(kwargs.values())))
+        if self.track_peak:
+            self.peak_bytes = max(self.peak_bytes, self._current_bytes())
         return out
 
     def live_bytes(self) -> int:
         """Current bytes of the tracked storages still alive (after a ``gc.collect``)."""
         gc.collect()
+        return self._current_bytes()
+
+    def _current_bytes(self) -> int:
         self._storages = {k: ref for k, ref in self._storages.items() if not ref.expired()}
         return sum(
             torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()

@@ -20,8 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import fsdptag
-from fsdptag._checkpoint import _SaveOps
-from fsdptag._tag import innermost
+from fsdptag.baselines import apply_baseline_ac
 from fsdptag.debug import CollectiveCounter, LiveStorageTracker
 from fsdptag.models.llama import Llama, LlamaConfig, apply_tp
 
@@ -55,14 +54,10 @@ def _apply_ac(model, ac):
 
 def _plain_ac(model, ac):
     """The same AC with torch's own policy (no tag routing): the TP baseline."""
-    for i, block in enumerate(model.layers):
-        if ac == "layer" and i % 2 == 0:
-            continue
-        if ac == "selective":
-            ctx = lambda: create_selective_checkpoint_contexts(_SaveOps(fsdptag.DEFAULT_SAVE_OPS))
-        else:
-            ctx = lambda: create_selective_checkpoint_contexts(lambda *a, **k: CheckpointPolicy.PREFER_RECOMPUTE)
-        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False, context_fn=ctx)
+    if ac == "layer":
+        apply_baseline_ac(model, "selective", layer_every=2, policy="no-fix")
+    else:
+        apply_baseline_ac(model, ac, policy="no-fix")
 
 
 def _tokens(dp_rank):
@@ -110,25 +105,6 @@ def _matrix(name, mesh, mode, *, dp_rank, tp_mesh=None):
 
 # ---------------------------------------------------------------- memory: (a) (b) (c)
 
-_NAME_SAVED = {c10d.all_gather_into_tensor.default, c10d.wait_tensor.default, aten._to_copy.default}
-
-
-class _OpNamePolicy:
-    """Baseline (b): save FSDP-looking ops by name; counts untagged bytes it saves."""
-
-    def __init__(self, base, extra: dict):
-        self.base, self.extra = base, extra
-
-    def __call__(self, ctx, func, *args, **kwargs):
-        if func in _NAME_SAVED:
-            out = ctx.op_output
-            if not fsdptag.is_fsdp_tagged(out):
-                inner = innermost(out)
-                self.extra[inner.untyped_storage()._cdata] = inner.untyped_storage().nbytes()
-            return CheckpointPolicy.MUST_SAVE
-        return self.base(ctx, func, *args, **kwargs)
-
-
 def _kept_bytes(model, mesh, dp_rank):
     tokens = _tokens(dp_rank)
     for p in model.parameters():
@@ -153,12 +129,7 @@ def _memory(mesh, tp_mesh, dp_rank, ac):
 
     model = _build(mesh, "fully_shard", False, tp_mesh=tp_mesh)
     extra: dict = {}
-    for block in model.layers:
-        def ctx(extra=extra):
-            base = _SaveOps(fsdptag.DEFAULT_SAVE_OPS) if ac == "selective" else (
-                lambda *a, **k: CheckpointPolicy.PREFER_RECOMPUTE)
-            return create_selective_checkpoint_contexts(_OpNamePolicy(base, extra))
-        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False, context_fn=ctx)
+    apply_baseline_ac(model, ac, policy="op-name", untagged_saved=extra)
     _step(model, mesh, dp_rank)
     extra.clear()
     out["b"] = _kept_bytes(model, mesh, dp_rank)

@@ -1,0 +1,77 @@
+"""The policies fsdptag is compared against, for tests, the benchmark and the estimator.
+
+* ``"op-name"``: save ``all_gather_into_tensor``, ``wait_tensor`` and ``_to_copy``
+  by name (plus the usual base policy). Avoids re-gathers but also saves TP
+  all-gathers and activation casts.
+* ``"no-fix"``: the base policy alone: AC recomputes every FSDP all-gather.
+
+Both keep :func:`fsdptag.apply_ac`'s block selection and base save lists, so the
+only difference to fsdptag's policy is how FSDP results are decided.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from ._checkpoint import _as_policy, _parse_ac, _SaveOps, checkpoint_blocks
+from ._tag import innermost, is_fsdp_tagged
+
+__all__ = ["NAME_SAVED_OPS", "OpNamePolicy", "apply_baseline_ac"]
+
+NAME_SAVED_OPS = frozenset({
+    torch.ops._c10d_functional.all_gather_into_tensor.default,
+    torch.ops._c10d_functional.wait_tensor.default,
+    torch.ops.aten._to_copy.default,
+})
+
+
+class OpNamePolicy:
+    """Save :data:`NAME_SAVED_OPS` by name, everything else by ``base``.
+
+    ``untagged_saved`` maps storage -> bytes of what it saves that is *not* an
+    FSDP result (TP all-gathers, activation casts): the cost of deciding by name.
+    """
+
+    def __init__(self, base, untagged_saved: dict | None = None) -> None:
+        self.base = _as_policy(base)
+        self.untagged_saved = untagged_saved if untagged_saved is not None else {}
+
+    def __call__(self, ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        if func in NAME_SAVED_OPS:
+            if not is_fsdp_tagged(ctx.op_output):
+                storage = innermost(ctx.op_output).untyped_storage()
+                self.untagged_saved[storage._cdata] = storage.nbytes()
+            return CheckpointPolicy.MUST_SAVE
+        return self.base(ctx, func, *args, **kwargs)
+
+
+def apply_baseline_ac(
+    model: nn.Module,
+    mode: str,
+    *,
+    policy: str,
+    layer_every: int | None = None,
+    save_ops: Iterable | None = None,
+    untagged_saved: dict | None = None,
+) -> nn.Module:
+    """Like :func:`fsdptag.apply_ac` but with the ``"op-name"`` or ``"no-fix"`` policy."""
+    if policy not in ("op-name", "no-fix"):
+        raise ValueError(f"policy={policy!r}: use 'op-name' or 'no-fix'")
+    mode, base, blocks = _parse_ac(model, mode, None, save_ops, layer_every)
+    if mode.value == "none":
+        return model
+
+    def make_context_fn():
+        def context_fn():
+            fresh = base.fresh() if isinstance(base, _SaveOps) else base
+            chosen = OpNamePolicy(fresh, untagged_saved) if policy == "op-name" else _as_policy(fresh)
+            return create_selective_checkpoint_contexts(chosen)
+
+        return context_fn
+
+    checkpoint_blocks(blocks, make_context_fn, layer_every)
+    return model
