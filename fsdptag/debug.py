@@ -74,6 +74,8 @@ def _first_tag(x):
 def _group_name(arg) -> str:
     if isinstance(arg, str):
         return arg
+    if isinstance(arg, torch.ScriptObject):  # c10d ops take a boxed ProcessGroup
+        arg = torch.distributed.ProcessGroup.unbox(arg)
     return getattr(arg, "group_name", str(arg))
 
 
@@ -213,8 +215,13 @@ class LiveStorageTracker(TorchDispatchMode):
         return self._current_bytes()
 
     def _current_bytes(self) -> int:
-        self._storages = {k: ref for k, ref in self._storages.items() if not ref.expired()}
-        return sum(
-            torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
-            for ref in self._storages.values()
-        )
+        total, dead = 0, []
+        for key, ref in self._storages.items():
+            storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+            if storage is None:
+                dead.append(key)
+            else:
+                total += storage.nbytes()  # current size: FSDP2 resizes its buffers in place
+        for key in dead:
+            del self._storages[key]
+        return total

@@ -133,6 +133,20 @@ def _bf16_vs_fsdp2(mesh):
     }
 
 
+def _fsdp2_collectives(mesh):
+    """The counter also sees FSDP2's in-place c10d collectives, labelled by mesh dim."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = models.make_net()
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    tokens, targets = models.batch(0, 2)
+    with CollectiveCounter(mesh) as cc:
+        models.loss_fn(model(tokens[0]), targets[0]).backward()
+    return cc.summary()
+
+
 def _state_dict_collectives(mesh):
     model = models.make_net()
     fsdptag.parametrize(model, mesh, mode="fully_shard")
@@ -228,6 +242,7 @@ def worker_2ranks():
     cases["kept zero3"] = functools.partial(_kept_bytes, mesh, True)
     cases["bf16 vs fsdp2"] = functools.partial(_bf16_vs_fsdp2, mesh)
     cases["state_dict"] = functools.partial(_state_dict_collectives, mesh)
+    cases["fsdp2 collectives"] = functools.partial(_fsdp2_collectives, mesh)
     cases["per-module tags"] = functools.partial(_per_module_tags, mesh)
     cases["meta init"] = functools.partial(_meta_init, mesh)
     cases["bad input"] = functools.partial(_bad_input, mesh, mesh2d)
@@ -280,6 +295,14 @@ def test_zero3_frees_gathered_params(two_ranks):
 def test_bf16_matches_fsdp2(two_ranks):
     r = _result(two_ranks, "bf16 vs fsdp2")
     assert r["loss"] < 1e-3 and r["params"] < 1e-3, r
+
+
+def test_counter_sees_fsdp2(two_ranks):
+    # FSDP2 groups: one per block + root; zero3 re-gathers the blocks (not the root) in backward.
+    assert_expected_inline(_result(two_ranks, "fsdp2 collectives"), """\
+forward  all_gather dp x3
+backward all_gather dp x2
+backward reduce_scatter dp x3""")
 
 
 def test_state_dict_has_no_collective(two_ranks):

@@ -1,0 +1,216 @@
+"""Side by side on one model and inputs: how each policy handles FSDP under AC.
+
+    python benchmarks/compare_policies.py --quick [--json out.json] [--plot out.png]
+
+Spawns 4 gloo ranks on CPU and runs, for zero2 and zero3, without TP (4-way
+FSDP) and with TP (2 dp x 2 tp, sequence parallel), each AC mode asked for:
+
+  tagged    fsdptag's policy (``fsdptag.apply_ac``)
+  op-name   save every all_gather / wait_tensor / _to_copy by name
+  no-fix    the base policy alone: AC recomputes the FSDP all-gathers
+  fsdp2     FSDP2 ``fully_shard`` (per block + root) with the same AC
+  untagged  the tagged runtime with tagging disabled and the policy that gives it
+            the same collectives (op-name for zero2, no-fix for zero3): the tag's cost
+
+Per variant: backward all-gathers on the data-parallel mesh, bytes all-gathered per
+step (FSDP), bytes forward keeps for backward, peak bytes of a step (tracked
+storages, parameters included), and the median step time over --steps steps after
+a warm-up step, with its ratio to no-fix. bf16 params, fp32 reduction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+
+import fsdptag
+from fsdptag.baselines import apply_baseline_ac
+from fsdptag.debug import CollectiveCounter, LiveStorageTracker, disable_tagging
+from fsdptag.launch import spawn
+from fsdptag.models.llama import Llama, LlamaConfig, apply_tp
+
+VARIANTS = ("tagged", "op-name", "no-fix", "fsdp2", "untagged")
+
+
+@dataclass
+class Record:
+    variant: str
+    reshard_after_forward: bool
+    tp: int
+    ac: str
+    bwd_fsdp_all_gathers: int
+    fsdp_all_gather_bytes: int
+    saved_bytes: int
+    peak_bytes: int
+    step_time_s: float
+    time_vs_no_fix: float = float("nan")
+
+
+def _ac_args(ac: str):
+    return ("selective", 2) if ac == "layer" else (ac, None)
+
+
+def _build(variant, cfg, mesh, tp, reshard, ac):
+    torch.manual_seed(0)
+    model = Llama(cfg)
+    model.init_weights()
+    if tp > 1:
+        apply_tp(model, mesh["tp"])
+    mode, every = _ac_args(ac)
+    if variant == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        fsdptag.apply_ac(model, mode, layer_every=every)
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        dp_mesh = mesh["dp"] if tp > 1 else mesh
+        for block in model.layers:
+            fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
+        fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
+        return model
+    fsdptag.parametrize(model, mesh, mode="fully_shard", reshard_after_forward=reshard,
+                        mp_policy=fsdptag.MixedPrecisionPolicy(torch.bfloat16, torch.float32))
+    if variant == "tagged":
+        fsdptag.apply_ac(model, mode, layer_every=every)
+    else:
+        policy = {"op-name": "op-name", "no-fix": "no-fix",
+                  "untagged": "no-fix" if reshard else "op-name"}[variant]
+        apply_baseline_ac(model, mode, layer_every=every, policy=policy)
+    return model
+
+
+def _step(model, optim, tokens):
+    loss = F.cross_entropy(model(tokens[:, :-1]).float().flatten(0, 1), tokens[:, 1:].flatten())
+    loss.backward()
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+
+
+def _measure(variant, cfg, mesh, tp, reshard, ac, steps, tokens) -> Record:
+    model = _build(variant, cfg, mesh, tp, reshard, ac)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    untagged = disable_tagging() if variant == "untagged" else None
+    if untagged is not None:
+        untagged.__enter__()
+    try:
+        _step(model, optim, tokens)  # warm-up
+        times = []
+        for _ in range(steps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            _step(model, optim, tokens)
+            times.append(time.perf_counter() - t0)
+        # One instrumented step: collectives, bytes kept for backward, peak.
+        dp_names = ("dp",)
+        with CollectiveCounter(mesh) as cc, LiveStorageTracker(track_inputs=True, track_peak=True) as mem:
+            loss = F.cross_entropy(model(tokens[:, :-1]).float().flatten(0, 1), tokens[:, 1:].flatten())
+            at_forward_end = mem.live_bytes()
+            loss.backward()
+            del loss
+            optim.zero_grad(set_to_none=True)
+            saved = at_forward_end - mem.live_bytes()
+    finally:
+        if untagged is not None:
+            untagged.__exit__(None, None, None)
+    fsdp = [e for e in cc.events if e.kind == "all_gather" and e.group in dp_names]
+    return Record(
+        variant=variant, reshard_after_forward=reshard, tp=tp, ac=ac,
+        bwd_fsdp_all_gathers=sum(1 for e in fsdp if e.phase == "backward"),
+        fsdp_all_gather_bytes=sum(e.nbytes for e in fsdp),
+        saved_bytes=saved, peak_bytes=mem.peak_bytes,
+        step_time_s=statistics.median(times),
+    )
+
+
+def _worker(cfg: LlamaConfig, acs, steps, batch, seq_len):
+    records = []
+    for tp in (1, 2):
+        shape, names = ((4,), ("dp",)) if tp == 1 else ((2, 2), ("dp", "tp"))
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        dp_rank = (mesh["dp"] if tp > 1 else mesh).get_local_rank()
+        g = torch.Generator().manual_seed(dp_rank)
+        tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), generator=g)
+        for reshard in (False, True):
+            for ac in acs:
+                group = [_measure(v, cfg, mesh, tp, reshard, ac, steps, tokens) for v in VARIANTS]
+                base = next(r.step_time_s for r in group if r.variant == "no-fix")
+                for r in group:
+                    r.time_vs_no_fix = r.step_time_s / base
+                records += group
+    return [asdict(r) for r in records]
+
+
+def _table(records) -> str:
+    head = ("| zero | tp | ac | variant | bwd FSDP all-gathers | FSDP all-gathered KiB/step | "
+            "kept for bwd KiB | peak KiB | step ms | vs no-fix |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in records:
+        lines.append(
+            f"| {3 if r['reshard_after_forward'] else 2} | {r['tp']} | {r['ac']} | {r['variant']} | "
+            f"{r['bwd_fsdp_all_gathers']} | {r['fsdp_all_gather_bytes'] / 1024:.0f} | "
+            f"{r['saved_bytes'] / 1024:.0f} | {r['peak_bytes'] / 1024:.0f} | "
+            f"{r['step_time_s'] * 1e3:.0f} | {r['time_vs_no_fix']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def _plot(records, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        sys.exit("--plot needs matplotlib: pip install -e '.[plot]'")
+    labels = [f"z{3 if r['reshard_after_forward'] else 2} tp{r['tp']} {r['ac']}\n{r['variant']}"
+              for r in records]
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(8, len(records) * 0.45), 8), sharex=True)
+    xs = range(len(records))
+    ax1.bar(xs, [r["saved_bytes"] / 1024 for r in records], color="tab:blue")
+    ax1.set_ylabel("kept for backward (KiB)")
+    ax2.bar(xs, [r["bwd_fsdp_all_gathers"] for r in records], color="tab:orange")
+    ax2.set_ylabel("backward FSDP all-gathers")
+    ax2.set_xticks(list(xs), labels, rotation=90, fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="small model, selective AC only (< 3 min)")
+    p.add_argument("--ac", default=None, help="comma list of none,full,selective,layer")
+    p.add_argument("--dim", type=int, default=None)
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None)
+    args = p.parse_args()
+    dim = args.dim or (64 if args.quick else 128)
+    layers = args.layers or (2 if args.quick else 4)
+    acs = tuple((args.ac or ("selective" if args.quick else "full,selective,layer")).split(","))
+    seq_len, batch = (32, 2) if args.quick else (64, 4)
+    cfg = LlamaConfig(dim=dim, n_layers=layers, n_heads=4, n_kv_heads=2, vocab_size=512,
+                      ffn_hidden=dim * 8 // 3 // 8 * 8, max_seq_len=64)
+    t0 = time.perf_counter()
+    records = spawn(4, _worker, cfg, acs, max(args.steps, 5), batch, seq_len)
+    print(f"compare_policies: dim={dim} layers={layers} batch={batch} seq={seq_len} per dp rank, "
+          f"4 ranks (gloo, CPU), bf16 params, median of {max(args.steps, 5)} steps; "
+          f"{time.perf_counter() - t0:.0f} s\n")
+    print(_table(records))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+    if args.plot:
+        _plot(records, args.plot)
+
+
+if __name__ == "__main__":
+    main()
