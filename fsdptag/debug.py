@@ -167,14 +167,34 @@ def _plain_tensors(x, out: list) -> list:
     return out
 
 
+_CAST = torch.ops.aten._to_copy.default
+
+
+def _storage_kind(func, out) -> str:
+    """Who made a storage: an FSDP gather (tag, or FSDP2's own ops), a TP/other
+    collective, an activation cast, or anything else."""
+    if func.namespace == "fsdp" or _first_tag(out) is not None:
+        return "fsdp"
+    if func in _COLLECTIVES or func.namespace == "_c10d_functional":
+        return "collective"
+    if func is _CAST:
+        return "cast"
+    return "other"
+
+
 class LiveStorageTracker(TorchDispatchMode):
     """Track the storages that ops under this mode create (and, optionally, read).
 
-    ``live_bytes()`` is the current size of those still alive. Run a forward
+    ``live_bytes()`` is the current size of those still alive; ``live_bytes_by_kind()``
+    splits it by who made each storage (see :func:`_storage_kind`). Run a forward
     under the tracker and read it before backward for the bytes allocated in
     forward and kept for backward. With ``track_inputs=True`` storages that
     already existed (parameters, FSDP2's resizable unsharded buffers) count too:
     then take the difference between the end of forward and after backward.
+    ``track_peak=True`` keeps ``peak_bytes``, the most live bytes after any op
+    (O(live storages) per op).
+
+    Works on real and fake tensors (``FakeTensorMode``).
 
     Example::
 
@@ -187,41 +207,58 @@ class LiveStorageTracker(TorchDispatchMode):
         super().__init__()
         self.track_inputs = track_inputs
         self.track_peak = track_peak
-        self.peak_bytes = 0  # with track_peak: max live bytes seen after any op (costs O(live) per op)
-        self._storages: dict[int, StorageWeakRef] = {}
+        self.peak_bytes = 0
+        # storage key -> [weak ref, bytes when last looked, kind]; FSDP2 resizes its
+        # buffers in place, so storages FSDP2's ops touch are re-measured each time.
+        self._storages: dict[int, list] = {}
+        self._resizable: set[int] = set()
 
-    def _track(self, x) -> None:
+    def _track(self, x, kind: str) -> None:
         for t in _plain_tensors(x, []):
             if t.device.type == "meta":
                 continue
             storage = t.untyped_storage()
-            known = self._storages.get(storage._cdata)
-            if known is None or known.expired():  # addresses are reused after frees
-                self._storages[storage._cdata] = StorageWeakRef(storage)
+            key = storage._cdata
+            known = self._storages.get(key)
+            if known is None or known[0].expired():  # addresses are reused after frees
+                self._storages[key] = [StorageWeakRef(storage), storage.nbytes(), kind]
+            elif kind == "fsdp":
+                known[2] = "fsdp"
+            if kind == "fsdp":
+                self._resizable.add(key)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        self._track(out)
-        if self.track_inputs:
-            self._track((args, tuple(kwargs.values())))
+        kind = _storage_kind(func, out)
+        self._track(out, kind)
+        if self.track_inputs or func.namespace == "fsdp":
+            self._track((args, tuple(kwargs.values())), kind if func.namespace == "fsdp" else "input")
         if self.track_peak:
-            self.peak_bytes = max(self.peak_bytes, self._current_bytes())
+            self.peak_bytes = max(self.peak_bytes, self._current()[0])
         return out
 
-    def live_bytes(self) -> int:
-        """Current bytes of the tracked storages still alive (after a ``gc.collect``)."""
-        gc.collect()
-        return self._current_bytes()
-
-    def _current_bytes(self) -> int:
-        total, dead = 0, []
-        for key, ref in self._storages.items():
-            storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
-            if storage is None:
+    def _current(self) -> tuple[int, dict[str, int]]:
+        total, by_kind, dead = 0, collections.Counter(), []
+        for key, entry in self._storages.items():
+            if entry[0].expired():
                 dead.append(key)
-            else:
-                total += storage.nbytes()  # current size: FSDP2 resizes its buffers in place
+                continue
+            if key in self._resizable:
+                entry[1] = torch.UntypedStorage._new_with_weak_ptr(entry[0].cdata).nbytes()
+            total += entry[1]
+            by_kind[entry[2]] += entry[1]
         for key in dead:
             del self._storages[key]
-        return total
+            self._resizable.discard(key)
+        return total, dict(by_kind)
+
+    def live_bytes(self) -> int:
+        """Bytes of the tracked storages still alive (after a ``gc.collect``)."""
+        gc.collect()
+        return self._current()[0]
+
+    def live_bytes_by_kind(self) -> dict[str, int]:
+        """``live_bytes()`` split by kind: fsdp, collective, cast, other, input."""
+        gc.collect()
+        return self._current()[1]
