@@ -442,14 +442,7 @@ def _shard_param(param, tag, dp_mesh, dp_placements, mp) -> tuple[_ParamAccess, 
         return access, nn.Parameter(sharded, requires_grad=param.requires_grad)
 
     tp_mesh, tp_placements = param.device_mesh, tuple(param.placements)
-    try:
-        spanned = DeviceMesh._concatenate([dp_mesh, tp_mesh])
-    except RuntimeError as e:
-        raise ValueError(
-            f"TP parameter {tag.fqn!r} lives on mesh {tp_mesh} which is not a sub-mesh of the "
-            f"same device mesh as the data-parallel mesh {dp_mesh} ({e}); build the TP mesh "
-            "and the data-parallel mesh from one init_device_mesh"
-        ) from None
+    spanned = _concatenate_meshes(dp_mesh, tp_mesh, tag.fqn)
     tp_local = param.to_local().detach()
     local = distribute_tensor(tp_local, dp_mesh, dp_placements, src_data_rank=None).to_local()
     placements = tuple(_strided_if_needed(p, tp_mesh, tp_placements) for p in dp_placements)
@@ -461,6 +454,22 @@ def _shard_param(param, tag, dp_mesh, dp_placements, mp) -> tuple[_ParamAccess, 
         tag, dp_mesh, dp_placements, tp_local.shape, mp, tp_mesh, tp_placements, param.shape
     )
     return access, nn.Parameter(sharded, requires_grad=param.requires_grad)
+
+
+def _concatenate_meshes(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, fqn: str) -> DeviceMesh:
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():  # mesh bookkeeping is real even when estimating on fake tensors
+        try:
+            return DeviceMesh._concatenate([dp_mesh, tp_mesh])
+        except RuntimeError as e:
+            if "different device mesh" not in str(e) and "overlapping" not in str(e):
+                raise
+            raise ValueError(
+                f"TP parameter {fqn!r} lives on mesh {tp_mesh}, which is not a sub-mesh of the "
+                f"device mesh the data-parallel mesh {dp_mesh} comes from; build both from one "
+                "init_device_mesh, e.g. mesh = init_device_mesh(..., mesh_dim_names=('dp', 'tp'))"
+            ) from None
 
 
 def _strided_if_needed(dp: Placement, tp_mesh: DeviceMesh, tp_placements) -> Placement:

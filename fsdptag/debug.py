@@ -213,7 +213,9 @@ class LiveStorageTracker(TorchDispatchMode):
         self._storages: dict[int, list] = {}
         self._resizable: set[int] = set()
 
-    def _track(self, x, kind: str) -> None:
+    def _track(self, x, kind: str) -> bool:
+        """Register the storages in ``x``; True if any was new."""
+        added = False
         for t in _plain_tensors(x, []):
             if t.device.type == "meta":
                 continue
@@ -222,21 +224,43 @@ class LiveStorageTracker(TorchDispatchMode):
             known = self._storages.get(key)
             if known is None or known[0].expired():  # addresses are reused after frees
                 self._storages[key] = [StorageWeakRef(storage), storage.nbytes(), kind]
+                added = True
             elif kind == "fsdp":
                 known[2] = "fsdp"
             if kind == "fsdp":
                 self._resizable.add(key)
+        return added
+
+    def track_existing(self, tensors) -> None:
+        """Count storages that already exist (parameters, optimizer state) from now on."""
+        self._track(list(tensors), "input")
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         kind = _storage_kind(func, out)
-        self._track(out, kind)
+        added = self._track(out, kind)
         if self.track_inputs or func.namespace == "fsdp":
             self._track((args, tuple(kwargs.values())), kind if func.namespace == "fsdp" else "input")
-        if self.track_peak:
-            self.peak_bytes = max(self.peak_bytes, self._current()[0])
+            added = added or func.namespace == "fsdp"  # FSDP2 grows its buffers in place
+        if self.track_peak and added:  # the live total only rises when something is allocated
+            self.peak_bytes = max(self.peak_bytes, self._total())
         return out
+
+    def _total(self) -> int:
+        # The hot loop of peak tracking: call the C expiry check directly, drop the dead.
+        total, dead, expired = 0, [], torch.UntypedStorage._expired
+        for key, entry in self._storages.items():
+            if expired(entry[0].cdata):
+                dead.append(key)
+                continue
+            if key in self._resizable:
+                entry[1] = torch.UntypedStorage._new_with_weak_ptr(entry[0].cdata).nbytes()
+            total += entry[1]
+        for key in dead:
+            del self._storages[key]
+            self._resizable.discard(key)
+        return total
 
     def _current(self) -> tuple[int, dict[str, int]]:
         total, by_kind, dead = 0, collections.Counter(), []

@@ -1,0 +1,252 @@
+"""Memory estimate for one rank at real scale, on one CPU: ``python -m fsdptag.estimate``.
+
+    python -m fsdptag.estimate --model llama3-8b --world-size 64 --tp 8 \\
+        --reshard-after-forward false --ac selective --mp bf16 [--policy tagged] [--json out.json]
+
+It runs rank 0's training step (forward, backward, optimizer step) of the Llama 3
+model at full size on fake tensors (``FakeTensorMode``) with the ``fake`` process
+group, so nothing is allocated and nothing is sent, and counts bytes with
+:class:`fsdptag.debug.LiveStorageTracker`. The same :func:`measure_step` runs for
+real in the validation test, which checks that the estimate matches a real gloo
+run at small scale.
+
+Reported per policy (``tagged`` = fsdptag, ``op-name`` = save FSDP-looking ops by
+name, ``fsdp2`` = FSDP2 ``fully_shard`` with the same AC): the peak of the step,
+sharded parameters, gradients, AdamW state, and the bytes forward keeps for
+backward, split into FSDP-gathered parameters, TP/other collective outputs,
+activation casts and the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from ._checkpoint import apply_ac
+from ._parametrize import MixedPrecisionPolicy, parametrize
+from .baselines import apply_baseline_ac
+from .debug import LiveStorageTracker
+from .models.llama import CONFIGS, Llama, LlamaConfig, apply_tp
+
+__all__ = ["POLICIES", "MemoryEstimate", "build_mesh", "build_model", "measure_step", "estimate"]
+
+POLICIES = ("tagged", "op-name", "fsdp2")
+
+
+@dataclass
+class MemoryEstimate:
+    policy: str
+    model: str
+    world_size: int
+    tp: int
+    hsdp_replicas: int
+    reshard_after_forward: bool
+    ac: str
+    mp: str
+    seq_len: int
+    batch: int
+    peak_bytes: int
+    param_bytes: int  # this rank's shards of the stored parameters
+    gathered_param_bytes: int  # FSDP-gathered parameters kept for backward
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int  # everything forward keeps for backward (gathered params included)
+    kept_collective_bytes: int  # of which: outputs of TP (non-FSDP) collectives
+    kept_cast_bytes: int  # of which: activation casts (_to_copy)
+
+
+def build_mesh(device_type: str, world_size: int, tp: int, hsdp_replicas: int) -> DeviceMesh:
+    """(dp) / (replicate, shard) mesh, with a trailing tp dim when tp > 1."""
+    if world_size % (tp * hsdp_replicas):
+        raise ValueError(
+            f"world_size={world_size} is not divisible by tp={tp} x hsdp_replicas={hsdp_replicas}"
+        )
+    dp = world_size // tp
+    shape, names = ((hsdp_replicas, dp // hsdp_replicas), ("replicate", "shard")) \
+        if hsdp_replicas > 1 else ((dp,), ("dp",))
+    if tp > 1:
+        shape, names = shape + (tp,), names + ("tp",)
+    return init_device_mesh(device_type, shape, mesh_dim_names=names)
+
+
+def build_model(cfg: LlamaConfig, mesh: DeviceMesh, *, policy: str, reshard: bool, ac: str,
+                mp: str, fake_mode=None):
+    """The Llama model with TP (if the mesh has "tp"), data parallelism by ``policy`` and AC.
+
+    With ``fake_mode`` the model is built on fake tensors (no init); parallelism is
+    applied outside the mode, as mesh bookkeeping (DeviceMesh) needs real tensors
+    while fake parameters keep dispatching through their own mode.
+    """
+    if fake_mode is None:
+        model = Llama(cfg)
+        model.init_weights()
+    else:
+        with fake_mode:
+            model = Llama(cfg)
+    names = mesh.mesh_dim_names
+    if "tp" in names:
+        apply_tp(model, mesh["tp"])
+    mode, every = ("selective", 2) if ac == "layer" else (ac, None)
+    dtype = torch.bfloat16 if mp == "bf16" else None
+    if policy == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy as FSDP2MP, fully_shard
+
+        apply_ac(model, mode, layer_every=every)
+        dp_names = tuple(n for n in names if n != "tp")
+        dp_mesh = mesh[dp_names] if "tp" in names else mesh
+        mp2 = FSDP2MP(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+        for block in model.layers:
+            fully_shard(block, mesh=dp_mesh, mp_policy=mp2, reshard_after_forward=reshard)
+        fully_shard(model, mesh=dp_mesh, mp_policy=mp2, reshard_after_forward=reshard)
+        return model
+    hybrid = "replicate" in names
+    parametrize(model, mesh, mode="hybrid_shard" if hybrid else "fully_shard",
+                reshard_after_forward=reshard,
+                mp_policy=MixedPrecisionPolicy(dtype, torch.float32) if dtype else None)
+    if policy == "tagged":
+        apply_ac(model, mode, layer_every=every)
+    elif policy == "op-name":
+        apply_baseline_ac(model, mode, layer_every=every, policy="op-name")
+    else:
+        raise ValueError(f"unknown policy={policy!r}; use one of {POLICIES}")
+    return model
+
+
+def _local_bytes(t) -> int:
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.numel() * t.element_size()
+
+
+def measure_step(model, tokens: torch.Tensor) -> dict:
+    """One training step under a LiveStorageTracker; returns the byte counts.
+
+    Persistent state (parameters, a warm AdamW state) exists before the step, as
+    in steady-state training, and counts towards the peak.
+    """
+    params = list(model.parameters())
+    optim = torch.optim.AdamW(params, lr=1e-4, foreach=False)
+    for p in params:  # materialize AdamW's state without a forward
+        p.grad = torch.zeros_like(p)
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+    state = [t for s in optim.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+
+    tracker = LiveStorageTracker(track_inputs=True, track_peak=True)
+    tracker.track_existing(params + state)
+    with tracker:
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        del logits
+        at_forward_end = tracker.live_bytes_by_kind()
+        loss.backward()
+        del loss
+        after_backward = tracker.live_bytes_by_kind()
+        grad_bytes = sum(_local_bytes(p.grad) for p in params if p.grad is not None)
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+    kept = {k: at_forward_end.get(k, 0) - after_backward.get(k, 0) for k in at_forward_end}
+    return {
+        "peak_bytes": tracker.peak_bytes,
+        "param_bytes": sum(_local_bytes(p) for p in params),
+        "gathered_param_bytes": kept.get("fsdp", 0),
+        "grad_bytes": grad_bytes,
+        "optimizer_bytes": sum(_local_bytes(t) for t in state),
+        "activation_bytes": sum(kept.values()),
+        "kept_collective_bytes": kept.get("collective", 0),
+        "kept_cast_bytes": kept.get("cast", 0),
+    }
+
+
+def estimate(model: str, world_size: int, *, tp: int = 1, hsdp_replicas: int = 1,
+             reshard_after_forward: bool, ac: str, mp: str = "bf16", seq_len: int | None = None,
+             batch: int = 1, policies=POLICIES) -> list[MemoryEstimate]:
+    """Estimate rank 0's memory for each policy on fake tensors (no real allocation)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    cfg = CONFIGS[model]
+    seq_len = seq_len or min(cfg.max_seq_len, 8192)
+    cfg = cfg.with_(max_seq_len=max(seq_len, 1))
+    if dist.is_initialized():
+        raise RuntimeError("fsdptag.estimate needs to own the process group; call it in a fresh process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    results = []
+    try:
+        mesh = build_mesh("cpu", world_size, tp, hsdp_replicas)
+        for policy in policies:
+            fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+            m = build_model(cfg, mesh, policy=policy, reshard=reshard_after_forward, ac=ac, mp=mp,
+                            fake_mode=fake_mode)
+            with fake_mode:
+                tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1))
+                numbers = measure_step(m, tokens)
+            results.append(MemoryEstimate(
+                policy=policy, model=model, world_size=world_size, tp=tp, hsdp_replicas=hsdp_replicas,
+                reshard_after_forward=reshard_after_forward, ac=ac, mp=mp, seq_len=seq_len,
+                batch=batch, **numbers,
+            ))
+    finally:
+        dist.destroy_process_group()
+    return results
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+def format_table(results: list[MemoryEstimate]) -> str:
+    head = ("| policy | peak GiB | params GiB | grads GiB | optim GiB | kept for bwd GiB | "
+            "of which gathered params | TP collectives | casts |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in results:
+        lines.append(
+            f"| {r.policy} | {_gib(r.peak_bytes)} | {_gib(r.param_bytes)} | {_gib(r.grad_bytes)} | "
+            f"{_gib(r.optimizer_bytes)} | {_gib(r.activation_bytes)} | "
+            f"{_gib(r.gathered_param_bytes)} | {_gib(r.kept_collective_bytes)} | "
+            f"{_gib(r.kept_cast_bytes)} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m fsdptag.estimate", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="llama3-8b", choices=sorted(CONFIGS))
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--hsdp-replicas", type=int, default=1)
+    p.add_argument("--reshard-after-forward", required=True, choices=["true", "false"])
+    p.add_argument("--ac", required=True, choices=["none", "full", "selective", "layer"])
+    p.add_argument("--mp", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--seq-len", type=int, default=None, help="default: the model's max (8192 for 8B/70B)")
+    p.add_argument("--batch", type=int, default=1, help="sequences per data-parallel rank")
+    p.add_argument("--policy", default="all", choices=("all",) + POLICIES)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    t0 = time.perf_counter()
+    results = estimate(
+        args.model, args.world_size, tp=args.tp, hsdp_replicas=args.hsdp_replicas,
+        reshard_after_forward=args.reshard_after_forward == "true", ac=args.ac, mp=args.mp,
+        seq_len=args.seq_len, batch=args.batch,
+        policies=POLICIES if args.policy == "all" else (args.policy,),
+    )
+    r0 = results[0]
+    print(f"{r0.model}: world {r0.world_size}, tp {r0.tp}, hsdp replicas {r0.hsdp_replicas}, "
+          f"reshard_after_forward={r0.reshard_after_forward}, ac={r0.ac}, mp={r0.mp}, "
+          f"seq {r0.seq_len} x batch {r0.batch} per rank; rank 0, estimated in "
+          f"{time.perf_counter() - t0:.0f} s\n")
+    print(format_table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) for r in results], f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
