@@ -10,9 +10,12 @@ saves the tensor-parallel all-gathers and every activation cast in the region.
 fsdptag's policy looks at ``ctx.op_output`` instead:
 
 * FSDP-tagged, zero2 (``reshard_after_forward=False``): ``MUST_SAVE`` the
-  all-gather result (``all_gather_into_tensor`` and its ``wait_tensor``, one
-  buffer); the pre-gather cast, padding and the views after the gather are
-  ``MUST_RECOMPUTE`` (local and cheap; views of the saved buffer cost nothing).
+  output of ``all_gather_into_tensor`` (the gathered buffer, once); everything
+  else on the tag's path is ``MUST_RECOMPUTE``: the pre-gather cast and padding
+  (local and cheap), the views after the gather (free: they alias the saved
+  buffer) and ``wait_tensor``, which on the cached buffer has no pending work and
+  returns it. Saving the wait's output as well would be harmless in eager (same
+  storage) but double-counts under FakeTensorMode, where the wait allocates.
   The recompute then gets the gathered buffer from the cache: no collective.
 * FSDP-tagged, zero3: ``MUST_RECOMPUTE`` everything, views included, so no
   saved alias keeps the gathered buffer alive; the recompute gathers each
@@ -50,8 +53,8 @@ c10d = torch.ops._c10d_functional
 __all__ = ["ACMode", "DEFAULT_SAVE_OPS", "apply_ac", "checkpoint_context_fn", "checkpoint_policy"]
 
 Policy = Callable[..., CheckpointPolicy]
+_ALL_GATHER = c10d.all_gather_into_tensor.default
 
-_GATHER_RESULT_OPS = frozenset({c10d.all_gather_into_tensor.default, c10d.wait_tensor.default})
 
 DEFAULT_SAVE_OPS = frozenset(
     op for op in (
@@ -141,7 +144,7 @@ def checkpoint_policy(base=None) -> Policy:
         tag = _output_tag(ctx.op_output)
         if tag is None:
             return base_fn(ctx, func, *args, **kwargs)
-        if not tag.reshard_after_forward and func in _GATHER_RESULT_OPS:
+        if not tag.reshard_after_forward and func is _ALL_GATHER:
             return save
         return recompute
 

@@ -137,7 +137,7 @@ class Zero3SavedTensorHooks:
             return t
         module, name, access = self.accesses[tag.fqn]
         stored = module._parameters[name]._local_tensor
-        if _innermost(t).untyped_storage().data_ptr() == stored.untyped_storage().data_ptr():
+        if _innermost(t).untyped_storage()._cdata == stored.untyped_storage()._cdata:
             return t  # the "gathered" tensor is the stored shard itself (1 rank): nothing to free
         regather = self._regathers.get(tag.fqn)
         if regather is None:

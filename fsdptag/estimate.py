@@ -35,6 +35,7 @@ from ._parametrize import MixedPrecisionPolicy, parametrize
 from .baselines import apply_baseline_ac
 from .debug import LiveStorageTracker
 from .models.llama import CONFIGS, Llama, LlamaConfig, apply_tp
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["POLICIES", "MemoryEstimate", "build_mesh", "build_model", "measure_step", "estimate"]
 
@@ -61,6 +62,16 @@ class MemoryEstimate:
     activation_bytes: int  # everything forward keeps for backward (gathered params included)
     kept_collective_bytes: int  # of which: outputs of TP (non-FSDP) collectives
     kept_cast_bytes: int  # of which: activation casts (_to_copy)
+
+
+class _EagerAliasingWait(TorchDispatchMode):
+    """Eager ``wait_tensor`` returns its input; the fake kernel allocates a new tensor,
+    which would double-count every saved collective output. Restore eager aliasing."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops._c10d_functional.wait_tensor.default:
+            return args[0]
+        return func(*args, **(kwargs or {}))
 
 
 def build_mesh(device_type: str, world_size: int, tp: int, hsdp_replicas: int) -> DeviceMesh:
@@ -185,7 +196,7 @@ def estimate(model: str, world_size: int, *, tp: int = 1, hsdp_replicas: int = 1
             fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
             m = build_model(cfg, mesh, policy=policy, reshard=reshard_after_forward, ac=ac, mp=mp,
                             fake_mode=fake_mode)
-            with fake_mode:
+            with fake_mode, _EagerAliasingWait():
                 tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1))
                 numbers = measure_step(m, tokens)
             results.append(MemoryEstimate(
