@@ -112,11 +112,11 @@ def _measure(variant, cfg, mesh, tp, reshard, ac, steps, tokens) -> Record:
         dp_names = ("dp",)
         with CollectiveCounter(mesh) as cc, LiveStorageTracker(track_inputs=True, track_peak=True) as mem:
             loss = F.cross_entropy(model(tokens[:, :-1]).float().flatten(0, 1), tokens[:, 1:].flatten())
-            at_forward_end = mem.live_bytes()
+            at_forward_end = mem.snapshot()
             loss.backward()
             del loss
+            saved = sum(LiveStorageTracker.kept(at_forward_end, mem.snapshot()).values())
             optim.zero_grad(set_to_none=True)
-            saved = at_forward_end - mem.live_bytes()
     finally:
         if untagged is not None:
             untagged.__exit__(None, None, None)

@@ -179,8 +179,19 @@ class _CheckingCachedMode(_CachedTorchDispatchMode):
         super().__init__(None, storage)
         self.gathered = gathered
         self.gather_idx = 0
+        self.replays = 0
 
     def __enter__(self):
+        # A second replay is a second backward through the region (retain_graph=True or
+        # double backward). SAC fails there only if it cached something, so zero2 would
+        # fail and zero3 silently recompute; fail the same way for both.
+        self.replays += 1
+        if self.replays > 1:
+            raise RuntimeError(
+                "fsdptag: activation-checkpoint replay failed: this checkpointed region was "
+                "already backwarded once (a region can be backwarded once; retain_graph=True and "
+                "double backward are not supported under fsdptag.apply_ac / checkpoint_context_fn)"
+            )
         self.gather_idx = 0
         return super().__enter__()
 

@@ -385,17 +385,18 @@ def _reshard_resolver(model: nn.Module, policy: ReshardPolicy) -> Callable[[str,
 
 
 def _check_devices(params, mesh: DeviceMesh) -> None:
-    devices = {p.device.type for *_, p in params} - {"meta"}
+    devices = sorted({p.device.type for *_, p in params})
     if len(devices) > 1:
+        where = {d: next(f"{m}.{n}".lstrip(".") for m, _, n, p in params if p.device.type == d)
+                 for d in devices}
         raise ValueError(
-            f"parameters are on several device types {sorted(devices)}; move the model to one "
-            f"device (model.to({mesh.device_type!r})) before parametrize"
+            f"parameters are on several device types {where}; move the whole model to one device "
+            f"(model.to({mesh.device_type!r}), or build it all under torch.device('meta')) before parametrize"
         )
-    if devices and devices != {mesh.device_type}:
+    if devices[0] not in ("meta", mesh.device_type):
         raise ValueError(
-            f"parameters are on {devices.pop()!r} but the mesh is on {mesh.device_type!r}; "
-            f"move the model with model.to({mesh.device_type!r}) or build the mesh on the "
-            "parameters' device"
+            f"parameters are on {devices[0]!r} but the mesh is on {mesh.device_type!r}; move the "
+            f"model with model.to({mesh.device_type!r}) or build the mesh on the parameters' device"
         )
 
 

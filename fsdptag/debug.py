@@ -185,8 +185,9 @@ def _storage_kind(func, out) -> str:
 class LiveStorageTracker(TorchDispatchMode):
     """Track the storages that ops under this mode create (and, optionally, read).
 
-    ``live_bytes()`` is the current size of those still alive; ``live_bytes_by_kind()``
-    splits it by who made each storage (see :func:`_storage_kind`). Run a forward
+    ``live_bytes()`` is the current size of those still alive; ``snapshot()`` and
+    ``kept()`` split what forward keeps for backward by who made each storage
+    (see :func:`_storage_kind`). Run a forward
     under the tracker and read it before backward for the bytes allocated in
     forward and kept for backward. With ``track_inputs=True`` storages that
     already existed (parameters, FSDP2's resizable unsharded buffers) count too:
@@ -239,7 +240,9 @@ class LiveStorageTracker(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         kind = _storage_kind(func, out)
-        added = self._track(out, kind)
+        # Views and in-place ops return storages that already existed: not allocations.
+        fresh = not (func.is_view or func._schema.is_mutable)
+        added = self._track(out, kind) if fresh else False
         if self.track_inputs or func.namespace == "fsdp":
             self._track((args, tuple(kwargs.values())), kind if func.namespace == "fsdp" else "input")
             added = added or func.namespace == "fsdp"  # FSDP2 grows its buffers in place
@@ -262,27 +265,29 @@ class LiveStorageTracker(TorchDispatchMode):
             self._resizable.discard(key)
         return total
 
-    def _current(self) -> tuple[int, dict[str, int]]:
-        total, by_kind, dead = 0, collections.Counter(), []
-        for key, entry in self._storages.items():
-            if entry[0].expired():
-                dead.append(key)
-                continue
-            if key in self._resizable:
-                entry[1] = torch.UntypedStorage._new_with_weak_ptr(entry[0].cdata).nbytes()
-            total += entry[1]
-            by_kind[entry[2]] += entry[1]
-        for key in dead:
-            del self._storages[key]
-            self._resizable.discard(key)
-        return total, dict(by_kind)
+    def snapshot(self) -> dict[int, tuple]:
+        """The live tracked storages now: {identity: (bytes, kind, entry)}, for :meth:`kept`.
+
+        Holding the entry keeps its identity from being reused by a later storage.
+        """
+        gc.collect()
+        self._total()  # drops the dead, refreshes resizable sizes
+        return {id(entry): (entry[1], entry[2], entry) for entry in self._storages.values()}
+
+    @staticmethod
+    def kept(before: dict, after: dict) -> dict[str, int]:
+        """Bytes, by kind, that storages alive in ``before`` released by ``after``.
+
+        With ``before`` taken at the end of forward and ``after`` after backward, this
+        is what forward kept for backward; storages created in between (gradients)
+        do not count.
+        """
+        out: dict[str, int] = collections.Counter()
+        for ident, (nbytes, kind, _) in before.items():
+            out[kind] += nbytes - after.get(ident, (0,))[0]
+        return dict(out)
 
     def live_bytes(self) -> int:
         """Bytes of the tracked storages still alive (after a ``gc.collect``)."""
         gc.collect()
-        return self._current()[0]
-
-    def live_bytes_by_kind(self) -> dict[str, int]:
-        """``live_bytes()`` split by kind: fsdp, collective, cast, other, input."""
-        gc.collect()
-        return self._current()[1]
+        return self._total()

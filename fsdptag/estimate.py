@@ -156,14 +156,14 @@ def measure_step(model, tokens: torch.Tensor) -> dict:
         logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
         del logits
-        at_forward_end = tracker.live_bytes_by_kind()
+        at_forward_end = tracker.snapshot()
         loss.backward()
         del loss
-        after_backward = tracker.live_bytes_by_kind()
+        after_backward = tracker.snapshot()
         grad_bytes = sum(_local_bytes(p.grad) for p in params if p.grad is not None)
         optim.step()
         optim.zero_grad(set_to_none=True)
-    kept = {k: at_forward_end.get(k, 0) - after_backward.get(k, 0) for k in at_forward_end}
+    kept = LiveStorageTracker.kept(at_forward_end, after_backward)
     return {
         "peak_bytes": tracker.peak_bytes,
         "param_bytes": sum(_local_bytes(p) for p in params),
