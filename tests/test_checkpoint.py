@@ -356,6 +356,8 @@ backward reduce_scatter tp x5""")
 def test_memory_vs_op_name_policy_and_fsdp2(results, ac):
     m = _get(results, f"memory {ac}")
     a, b, c, extra = m["a"], m["b"], m["c"], m["b_extra"]
+    print(f"\nkept for backward, FSDP+TP {ac} AC zero2: (a) tagged {a} B, (b) op-name {b} B "
+          f"(of which TP all-gathers + casts {extra} B), (c) FSDP2 {c} B")
     assert a <= c * 1.01, m
     assert extra > 0 and b - a >= extra, m
 
