@@ -41,7 +41,6 @@ from typing import Any, Callable
 import torch
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import return_and_correct_aliasing
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -111,9 +110,9 @@ class FSDPTaggedTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        tag, inner_args, inner_kwargs = _unwrap(args, kwargs or {})
+        tag, inner_args, inner_kwargs = _unwrap(args, kwargs)
         rule = _TAG_TABLE.get(func)
-        if rule is None and func._schema.is_mutable:
+        if rule is None and _is_mutable(func):
             raise RuntimeError(
                 f"fsdptag: in-place op {func} on the gathered parameter {tag.fqn!r}. "
                 "The gathered copy is temporary, so the change would be lost; modify the "
@@ -126,23 +125,37 @@ class FSDPTaggedTensor(torch.Tensor):
 # ---------------------------------------------------------------- unwrapping
 
 
-def _unwrap_one(x: Any, found: list) -> Any:
-    if isinstance(x, FSDPTaggedTensor):
-        if not found:
-            found.append(x.tag)
-        return x._elem
-    if isinstance(x, (list, tuple)):
-        # cat takes a list of tensors; nothing nests deeper on the FSDP path.
-        return type(x)(_unwrap_one(y, found) for y in x)
-    return x
+# Note [Lean dispatch]: the hot path is hand-written (no pytree): ops on the FSDP
+# path take the tagged tensor first and ints/dtypes after; only cat takes a list.
 
 
-def _unwrap(args: tuple, kwargs: dict) -> tuple[FSDPTag, tuple, dict]:
-    found: list = []
-    args = tuple(_unwrap_one(a, found) for a in args)
+def _unwrap(args: tuple, kwargs: dict | None) -> tuple[FSDPTag, tuple, dict]:
+    tag = None
+    out = list(args)
+    for i, a in enumerate(args):
+        if type(a) is FSDPTaggedTensor:
+            tag = tag or a.tag
+            out[i] = a._elem
+        elif type(a) in (list, tuple) and a and isinstance(a[0], torch.Tensor):
+            out[i] = type(a)(x._elem if type(x) is FSDPTaggedTensor else x for x in a)
+            tag = tag or next((x.tag for x in a if type(x) is FSDPTaggedTensor), None)
     if kwargs:
-        kwargs = {k: _unwrap_one(v, found) for k, v in kwargs.items()}
-    return found[0], args, kwargs
+        kwargs = dict(kwargs)
+        for k, v in kwargs.items():
+            if type(v) is FSDPTaggedTensor:
+                tag = tag or v.tag
+                kwargs[k] = v._elem
+    return tag, tuple(out), kwargs or {}
+
+
+_MUTABLE: dict[Any, bool] = {}
+
+
+def _is_mutable(func) -> bool:
+    mutable = _MUTABLE.get(func)
+    if mutable is None:
+        mutable = _MUTABLE[func] = func._schema.is_mutable
+    return mutable
 
 
 def _wrap(x: Any, tag: FSDPTag) -> Any:
@@ -207,8 +220,12 @@ def _rewrap_new(func, tag, args, kwargs, out):
     aten.as_strided.default,
 )
 def _rewrap_view(func, tag, args, kwargs, out):
-    # Views must alias their base at the wrapper level too (autograd view tracking).
-    return return_and_correct_aliasing(func, args, kwargs or {}, _wrap(out, tag))
+    # A view's wrapper must alias its base's storage too, as return_and_correct_aliasing
+    # does; every view in the table aliases args[0], so do it directly (Note [Lean dispatch]).
+    out = _wrap(out, tag)
+    for r in out if isinstance(out, (list, tuple)) else (out,):
+        torch._functionalize_unsafe_set(r, args[0])
+    return out
 
 
 @_keeps_tag(c10d._wrap_tensor_autograd.default)
