@@ -378,7 +378,9 @@ def test_no_memory_growth(results, zero, ac):
 @pytest.mark.parametrize("ac", ["full", "selective"])
 def test_retain_graph_raises_clear_error(results, zero, ac):
     msg = _get(results, f"retain zero{zero} {ac}")
-    assert "fsdptag: activation-checkpoint replay failed" in msg or "backward an extra time" in msg, msg
+    # zero2 caches gathers (SAC itself would fail), zero3 caches nothing (SAC would
+    # silently recompute): fsdptag fails the same clear way for both.
+    assert "fsdptag: activation-checkpoint replay failed" in msg and "backwarded once" in msg, msg
 
 
 @pytest.mark.parametrize("zero", [2, 3])
