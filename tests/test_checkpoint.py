@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import traceback
 
 import pytest
 import torch
@@ -24,7 +23,7 @@ from fsdptag.baselines import apply_baseline_ac
 from fsdptag.debug import CollectiveCounter, LiveStorageTracker
 from fsdptag.models.llama import Llama, LlamaConfig, apply_tp
 
-from .harness import launch
+from .harness import launch, result, run_cases
 
 CFG = LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=66, ffn_hidden=52,
                   max_seq_len=16)
@@ -233,21 +232,10 @@ def _sac_saved(mesh):
 # ---------------------------------------------------------------- launches
 
 
-def _run(cases):
-    out = {}
-    for name, case in cases.items():
-        try:
-            out[name] = case()
-        except Exception:
-            out[name] = "ERROR\n" + traceback.format_exc()
-        dist.barrier()
-    return out
-
-
 def worker_2ranks():
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     r = dist.get_rank()
-    return _run({
+    return run_cases({
         "ddp": functools.partial(_matrix, "DDP", mesh, "replicate", dp_rank=r),
         "fsdp": functools.partial(_matrix, "FSDP", mesh, "fully_shard", dp_rank=r),
         "errors": functools.partial(_errors, mesh),
@@ -259,7 +247,7 @@ def worker_4ranks():
     hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     dp_tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     dp_rank = dp_tp["dp"].get_local_rank()
-    return _run({
+    return run_cases({
         "hsdp": functools.partial(_matrix, "HSDP", hsdp, "hybrid_shard", dp_rank=dist.get_rank()),
         "fsdp+tp": functools.partial(_matrix, "FSDP+TP", dp_tp, "fully_shard", dp_rank=dp_rank,
                                      tp_mesh=dp_tp["tp"]),
@@ -275,17 +263,10 @@ def results():
     return out
 
 
-def _get(results, name):
-    value = results[name]
-    if isinstance(value, str) and value.startswith("ERROR"):
-        pytest.fail(f"case {name!r} raised on rank 0:\n{value}")
-    return value
-
-
 def _matrix_rows(results):
     rows = {}
     for name in ("ddp", "fsdp", "hsdp", "fsdp+tp"):
-        rows.update(_get(results, name))
+        rows.update(result(results, name))
     return rows
 
 
@@ -354,7 +335,7 @@ backward reduce_scatter tp x5""")
 
 @pytest.mark.parametrize("ac", ["selective", "full"])
 def test_memory_vs_op_name_policy_and_fsdp2(results, ac):
-    m = _get(results, f"memory {ac}")
+    m = result(results, f"memory {ac}")
     a, b, c, extra = m["a"], m["b"], m["c"], m["b_extra"]
     print(f"\nkept for backward, FSDP+TP {ac} AC zero2: (a) tagged {a} B, (b) op-name {b} B "
           f"(of which TP all-gathers + casts {extra} B), (c) FSDP2 {c} B")
@@ -365,14 +346,14 @@ def test_memory_vs_op_name_policy_and_fsdp2(results, ac):
 def test_full_ac_saves_only_tagged_gathers(results):
     # 2 blocks x 9 parameters: each gathered buffer saved once; zero3 saves nothing
     # inside the blocks.
-    assert _get(results, "sac saved") == {
+    assert result(results, "sac saved") == {
         "zero2": {"_c10d_functional.all_gather_into_tensor.default": 18},
         "zero3": {},
     }
 
 
 def test_errors_name_fsdptag_and_the_parameter(results):
-    e = _get(results, "errors")
+    e = result(results, "errors")
     assert "fsdptag: activation-checkpoint replay mismatch" in e["mismatch"], e
     assert "'layers.0.a.weight'" in e["mismatch"] and "'layers.0.b.weight'" in e["mismatch"], e
     assert "fsdptag: activation-checkpoint replay failed" in e["retain_graph"], e

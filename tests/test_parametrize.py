@@ -6,7 +6,6 @@ Each launch runs many cases and returns a dict; the tests below assert on it.
 from __future__ import annotations
 
 import functools
-import traceback
 
 import pytest
 import torch
@@ -14,34 +13,15 @@ import torch.distributed as dist
 import torch.nn as nn
 from expecttest import assert_expected_inline
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import fsdptag
 from fsdptag.debug import CollectiveCounter, LiveStorageTracker
 
 from . import models
-from .harness import launch
+from .harness import launch, parametrize_error, result, run_cases
 
 STEPS = 5
-
-
-def _run_cases(cases: dict) -> dict:
-    out = {}
-    for name, case in cases.items():
-        try:
-            out[name] = case()
-        except Exception:  # reported per case by the test that reads it
-            out[name] = "ERROR\n" + traceback.format_exc()
-        dist.barrier()
-    return out
-
-
-def _result(results: dict, name: str):
-    value = results[name]
-    if isinstance(value, str) and value.startswith("ERROR"):
-        pytest.fail(f"case {name!r} raised on rank 0:\n{value}")
-    return value
 
 
 # ---------------------------------------------------------------- cases
@@ -188,19 +168,8 @@ def _bad_input(mesh, mesh2d):
     """Each bad call must raise a clear error and leave the model as it was."""
     out = {}
 
-    def attempt(name, fn_model, **kwargs):
-        model = fn_model()
-        before = {n: (id(p), type(p)) for n, p in model.named_parameters()}
-        classes = [type(m) for m in model.modules()]
-        try:
-            fsdptag.parametrize(model, **kwargs)
-            out[name] = "no error"
-            return
-        except (ValueError, TypeError) as e:
-            msg = f"{type(e).__name__}: {e}"
-        unchanged = (before == {n: (id(p), type(p)) for n, p in model.named_parameters()}
-                     and classes == [type(m) for m in model.modules()])
-        out[name] = msg + ("" if unchanged else "  [MODEL CHANGED]")
+    def attempt(name, make_model, **kwargs):
+        out[name] = parametrize_error(make_model, **kwargs)
 
     attempt("unknown mode", models.make_net, mesh=mesh, mode="zero3")
     attempt("2d mesh for fully_shard", models.make_net, mesh=mesh2d, mode="fully_shard")
@@ -246,7 +215,7 @@ def worker_2ranks():
     cases["per-module tags"] = functools.partial(_per_module_tags, mesh)
     cases["meta init"] = functools.partial(_meta_init, mesh)
     cases["bad input"] = functools.partial(_bad_input, mesh, mesh2d)
-    return _run_cases(cases)
+    return run_cases(cases)
 
 
 @pytest.fixture(scope="module")
@@ -260,7 +229,7 @@ def two_ranks():
 @pytest.mark.parametrize("mode", ["replicate", "fully_shard"])
 @pytest.mark.parametrize("zero", [2, 3])
 def test_parity_2ranks(two_ranks, mode, zero):
-    r = _result(two_ranks, f"parity {mode} zero{zero}")
+    r = result(two_ranks, f"parity {mode} zero{zero}")
     assert r["loss"] < 1e-5 and r["params"] < 1e-5, r
     assert r["leaks"] == []
 
@@ -269,7 +238,7 @@ def test_collectives_2ranks(two_ranks):
     # 16 parameters. zero2: no backward all-gather. zero3 re-gathers the 11 that
     # autograd saves: 8 weights (not the embedding table) + the 3 LayerNorm biases,
     # which aten's layer_norm saves for backward (it only checks they are defined).
-    got = {k: _result(two_ranks, k) for k in two_ranks if k.startswith("collectives")}
+    got = {k: result(two_ranks, k) for k in two_ranks if k.startswith("collectives")}
     text = "\n".join(f"== {k}\n{v}" for k, v in got.items())
     assert_expected_inline(text, """\
 == collectives replicate zero2
@@ -287,31 +256,31 @@ re-gathered: head.weight layers.0.fc1.weight layers.0.fc2.weight layers.0.norm.b
 
 
 def test_zero3_frees_gathered_params(two_ranks):
-    kept2, kept3 = _result(two_ranks, "kept zero2"), _result(two_ranks, "kept zero3")
+    kept2, kept3 = result(two_ranks, "kept zero2"), result(two_ranks, "kept zero3")
     needed = _weights_backward_needs()
     assert abs((kept2 - kept3) - needed) <= 0.05 * needed, (kept2, kept3, needed)
 
 
 def test_bf16_matches_fsdp2(two_ranks):
-    r = _result(two_ranks, "bf16 vs fsdp2")
+    r = result(two_ranks, "bf16 vs fsdp2")
     assert r["loss"] < 1e-3 and r["params"] < 1e-3, r
 
 
 def test_counter_sees_fsdp2(two_ranks):
     # FSDP2 groups: one per block + root; zero3 re-gathers the blocks (not the root) in backward.
-    assert_expected_inline(_result(two_ranks, "fsdp2 collectives"), """\
+    assert_expected_inline(result(two_ranks, "fsdp2 collectives"), """\
 forward  all_gather dp x3
 backward all_gather dp x2
 backward reduce_scatter dp x3""")
 
 
 def test_state_dict_has_no_collective(two_ranks):
-    r = _result(two_ranks, "state_dict")
+    r = result(two_ranks, "state_dict")
     assert r == {"collectives": 0, "types": ["DTensor"]}
 
 
 def test_per_module_reshard_recorded_in_tags(two_ranks):
-    assert _result(two_ranks, "per-module tags") == {
+    assert result(two_ranks, "per-module tags") == {
         "tok.weight": ("tok.weight", True),
         "layers.0.fc1.weight": ("layers.0.fc1.weight", False),
         "layers.1.fc1.weight": ("layers.1.fc1.weight", True),
@@ -320,12 +289,12 @@ def test_per_module_reshard_recorded_in_tags(two_ranks):
 
 
 def test_meta_init(two_ranks):
-    r = _result(two_ranks, "meta init")
+    r = result(two_ranks, "meta init")
     assert r == {"stored": "DTensor", "finite": True, "grad": "DTensor"}
 
 
 def test_bad_input(two_ranks):
-    text = "\n".join(f"{k}: {v}" for k, v in _result(two_ranks, "bad input").items())
+    text = "\n".join(f"{k}: {v}" for k, v in result(two_ranks, "bad input").items())
     assert_expected_inline(text, """\
 unknown mode: ValueError: unknown mode='zero3'; use one of 'replicate', 'fully_shard', 'hybrid_shard'
 2d mesh for fully_shard: ValueError: data-parallel mesh has 2 dim(s) ('a', 'b') but mode='fully_shard' needs 1; use mode='hybrid_shard' or pass one dim, e.g. mesh['b']
@@ -374,7 +343,7 @@ def worker_4ranks():
             _collectives, dp_tp, "fully_shard", reshard, tp_mesh=dp_tp["tp"],
             dp_rank=dp_rank, dp_size=2)
     cases["uneven zero3 ranks agree"] = functools.partial(_tp_collectives_consistent, flat)
-    return _run_cases(cases)
+    return run_cases(cases)
 
 
 @pytest.fixture(scope="module")
@@ -386,13 +355,13 @@ def four_ranks():
                                     "hsdp+tp 1x2x2"])
 @pytest.mark.parametrize("zero", [2, 3])
 def test_parity_4ranks(four_ranks, config, zero):
-    r = _result(four_ranks, f"parity {config} zero{zero}")
+    r = result(four_ranks, f"parity {config} zero{zero}")
     assert r["loss"] < 1e-5 and r["params"] < 1e-5, r
     assert r["leaks"] == []
 
 
 def test_collectives_4ranks(four_ranks):
-    got = {k: _result(four_ranks, k) for k in four_ranks if k.startswith("collectives")}
+    got = {k: result(four_ranks, k) for k in four_ranks if k.startswith("collectives")}
     text = "\n".join(f"== {k}\n{v}" for k, v in got.items())
     assert_expected_inline(text, """\
 == collectives hybrid_shard 2x2 zero2
@@ -420,4 +389,4 @@ re-gathered: head.weight layers.0.fc1.weight layers.0.fc2.weight layers.0.norm.b
 
 
 def test_uneven_shards_all_ranks_agree(four_ranks):
-    assert _result(four_ranks, "uneven zero3 ranks agree") == 1
+    assert result(four_ranks, "uneven zero3 ranks agree") == 1

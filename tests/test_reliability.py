@@ -6,13 +6,11 @@ from __future__ import annotations
 import functools
 import gc
 import os
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn as nn
 from expecttest import assert_expected_inline
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
@@ -23,25 +21,7 @@ from fsdptag import FSDPTaggedTensor
 from fsdptag.debug import CollectiveCounter, LiveStorageTracker
 
 from . import models
-from .harness import launch
-
-
-def _run(cases):
-    out = {}
-    for name, case in cases.items():
-        try:
-            out[name] = case()
-        except Exception:
-            out[name] = "ERROR\n" + traceback.format_exc()
-        dist.barrier()
-    return out
-
-
-def _get(results, name):
-    value = results[name]
-    if isinstance(value, str) and value.startswith("ERROR"):
-        pytest.fail(f"case {name!r} raised on rank 0:\n{value}")
-    return value
+from .harness import launch, parametrize_error, result, run_cases
 
 
 def _net(mesh, reshard, *, tp_mesh=None, seed=0, mode="fully_shard"):
@@ -194,19 +174,8 @@ def _eval(mesh, reshard):
 def _bad_input(mesh, mesh2d):
     out = {}
 
-    def attempt(name, make, **kwargs):
-        model = make()
-        before = {n: (id(p), type(p)) for n, p in model.named_parameters()}
-        classes = [type(m) for m in model.modules()]
-        try:
-            fsdptag.parametrize(model, **kwargs)
-            out[name] = "no error"
-            return
-        except (ValueError, TypeError) as e:
-            msg = f"{type(e).__name__}: {e}"
-        unchanged = (before == {n: (id(p), type(p)) for n, p in model.named_parameters()}
-                     and classes == [type(m) for m in model.modules()])
-        out[name] = msg + ("" if unchanged else "  [MODEL CHANGED]")
+    def attempt(name, make_model, **kwargs):
+        out[name] = parametrize_error(make_model, **kwargs)
 
     def mixed_devices():
         m = models.make_net()
@@ -317,7 +286,7 @@ def worker_4ranks(path):
             _dcp_resume, dp_tp, reshard, os.path.join(path, f"tp{z}"), tp_mesh=dp_tp["tp"],
             dp_rank=tp_dp_rank, dp_size=2)
     cases["dcp save 4"] = functools.partial(_dcp_save_for_reshard, flat, os.path.join(path, "reshard"))
-    return _run(cases)
+    return run_cases(cases)
 
 
 def worker_2ranks(path):
@@ -337,7 +306,7 @@ def worker_2ranks(path):
         cases[f"eval zero{z}"] = functools.partial(_eval, mesh, reshard)
     cases["bad input"] = functools.partial(_bad_input, mesh, mesh2d)
     cases["property"] = functools.partial(_property, mesh)
-    return _run(cases)
+    return run_cases(cases)
 
 
 @pytest.fixture(scope="module")
@@ -350,18 +319,18 @@ def results(tmp_path_factory):
 
 @pytest.mark.parametrize("config", ["fsdp zero2", "fsdp zero3", "fsdp+tp zero2", "fsdp+tp zero3"])
 def test_dcp_resume_is_bitwise(results, config):
-    assert _get(results, f"dcp {config}") == {"tagged_gathers_in_save": 0, "bitwise": True}
+    assert result(results, f"dcp {config}") == {"tagged_gathers_in_save": 0, "bitwise": True}
 
 
 def test_dcp_reshards_from_4_to_2_ranks(results):
-    assert _get(results, "dcp save 4") is True
-    assert _get(results, "dcp load on 2") == {"params": True, "exp_avg": True}
+    assert result(results, "dcp save 4") is True
+    assert result(results, "dcp load on 2") == {"params": True, "exp_avg": True}
 
 
 @pytest.mark.parametrize("zero", [2, 3])
 @pytest.mark.parametrize("ac", ["none", "full", "selective", "layer"])
 def test_gradient_accumulation(results, zero, ac):
-    r = _get(results, f"accumulate zero{zero} {ac}")
+    r = result(results, f"accumulate zero{zero} {ac}")
     assert r["params"] < 1e-5, r
     if zero == 2:
         assert r["bwd_gathers"] == 0, r
@@ -370,14 +339,14 @@ def test_gradient_accumulation(results, zero, ac):
 @pytest.mark.parametrize("zero", [2, 3])
 @pytest.mark.parametrize("ac", ["none", "full"])
 def test_no_memory_growth(results, zero, ac):
-    live = _get(results, f"growth zero{zero} {ac}")
+    live = result(results, f"growth zero{zero} {ac}")
     assert max(live[2:]) <= live[1], live  # after optimizer state exists: flat
 
 
 @pytest.mark.parametrize("zero", [2, 3])
 @pytest.mark.parametrize("ac", ["full", "selective"])
 def test_retain_graph_raises_clear_error(results, zero, ac):
-    msg = _get(results, f"retain zero{zero} {ac}")
+    msg = result(results, f"retain zero{zero} {ac}")
     # zero2 caches gathers (SAC itself would fail), zero3 caches nothing (SAC would
     # silently recompute): fsdptag fails the same clear way for both.
     assert "fsdptag: activation-checkpoint replay failed" in msg and "backwarded once" in msg, msg
@@ -385,12 +354,12 @@ def test_retain_graph_raises_clear_error(results, zero, ac):
 
 @pytest.mark.parametrize("zero", [2, 3])
 def test_eval_stores_nothing_and_gathers_once(results, zero):
-    r = _get(results, f"eval zero{zero}")
+    r = result(results, f"eval zero{zero}")
     assert r == {"gathers": r["params"], "params": 16, "kept_is_output": True, "bwd": 0}
 
 
 def test_bad_input(results):
-    text = "\n".join(f"{k}: {v}" for k, v in _get(results, "bad input").items())
+    text = "\n".join(f"{k}: {v}" for k, v in result(results, "bad input").items())
     assert_expected_inline(text, """\
 mesh device type differs: ValueError: parameters are on 'cpu' but the mesh is on 'cuda'; move the model with model.to('cuda') or build the mesh on the parameters' device
 parameters on several devices: ValueError: parameters are on several device types {'cpu': 'tok.weight', 'meta': 'head.weight'}; move the whole model to one device (model.to('cpu'), or build it all under torch.device('meta')) before parametrize
@@ -400,10 +369,10 @@ non-floating mp dtype: ValueError: MixedPrecisionPolicy.param_dtype=torch.int8 i
 
 
 def test_property_grads_equal_no_ac(results):
-    assert _get(results, "property") >= 50
+    assert result(results, "property") >= 50
 
 
 @pytest.mark.parametrize("zero", [2, 3])
 @pytest.mark.parametrize("ac", ["none", "full"])
 def test_no_leaked_tags(results, zero, ac):
-    assert _get(results, f"leaks zero{zero} {ac}") == {"found": [], "alive_after_step": 0}
+    assert result(results, f"leaks zero{zero} {ac}") == {"found": [], "alive_after_step": 0}
