@@ -260,9 +260,12 @@ def _checkpointed_class(cls: type) -> type:
     if ac_cls is None:
 
         def forward(self, *args, **kwargs):
+            fn = super(ac_cls, self).forward
+            bucket = self.__dict__.get("_fsdptag_bucket")
+            if bucket is not None:  # the gather scope must be inside the region: Note [Buckets]
+                fn = bucket.scoped(fn)
             return checkpoint(
-                super(ac_cls, self).forward, *args, use_reentrant=False,
-                context_fn=self._fsdptag_ac_context_fn, **kwargs,
+                fn, *args, use_reentrant=False, context_fn=self._fsdptag_ac_context_fn, **kwargs,
             )
 
         ac_cls = type(f"Checkpointed{cls.__name__}", (cls,), {"forward": forward})

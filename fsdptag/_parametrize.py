@@ -164,10 +164,15 @@ class _ParamAccess:
         self.tp_placements = tp_placements
         self.shape = shape
         self.stride = _contiguous_stride(shape)
+        self.bucket = None  # a _bucket.Bucket when gathered with others (Note [Buckets])
 
     def __call__(self, stored: DTensor) -> torch.Tensor:
         if not _state.active:
             return stored
+        if self.bucket is not None:
+            gathered = self.bucket.lookup(self, _state.tagging)
+            if gathered is not None:
+                return gathered
         return self.gather(stored, tagged=_state.tagging)
 
     def gather(self, stored: DTensor, *, tagged: bool) -> torch.Tensor:
@@ -210,6 +215,7 @@ def parametrize(
     reshard_after_forward: ReshardPolicy = True,
     mp_policy: MixedPrecisionPolicy | None = None,
     shard_dim: int = 0,
+    bucket: BucketPolicy = "param",
 ) -> nn.Module:
     """Make ``model`` data parallel over ``mesh``, SimpleFSDP style, in place.
 
@@ -220,6 +226,12 @@ def parametrize(
     keeps them. Pass a callable ``(module_fqn, module) -> bool`` or a dict of
     module-FQN prefixes to choose per module. Parameters already on a TP mesh
     (after ``parallelize_module``) gain the data-parallel mesh dims in front.
+
+    ``bucket`` groups parameters into one all-gather / reduce-scatter each:
+    ``"param"`` (one per parameter), ``"module"`` (the direct parameters of each
+    module), or ``fn(module_fqn, module) -> bool`` marking bucket roots (e.g. each
+    transformer block); applies to ``fully_shard`` parameters without TP, others
+    gather per parameter. A bucket takes its root module's reshard decision.
 
     ``mesh`` is either the data-parallel mesh (1 dim for ``"replicate"`` /
     ``"fully_shard"``, 2 for ``"hybrid_shard"``) or a mesh that also holds the TP
@@ -233,12 +245,17 @@ def parametrize(
     """
     from ._reshard import Zero3SavedTensorHooks
 
-    plan = _plan(model, mesh, mode, reshard_after_forward, mp_policy, shard_dim)
+    plan = _plan(model, mesh, mode, reshard_after_forward, mp_policy, shard_dim, bucket)
     # Everything above only validated; from here on the model changes.
     for module, names, accesses, sharded in plan.modules:
         for name, param in zip(names, sharded):
             module.register_parameter(name, param)
         _swap_class(module, names, accesses)
+    for root, b in plan.buckets:
+        for _, _, access in b.entries:
+            access.bucket = b
+        root.__dict__["_fsdptag_bucket"] = b
+        root.__class__ = _bucket_scope_class(type(root))
     Zero3SavedTensorHooks.install(model, plan.accesses)
     if plan.mp.param_dtype is not None and plan.mp.cast_forward_inputs:
         model.register_forward_pre_hook(_input_caster(plan.mp.param_dtype), with_kwargs=True)
@@ -267,9 +284,14 @@ class _Plan:
     mp: MixedPrecisionPolicy
     modules: list  # (module, param names, accesses, new sharded parameters)
     accesses: dict  # fqn -> (module, name, _ParamAccess)
+    buckets: list  # (root module, Bucket)
 
 
-def _plan(model, mesh, mode, reshard_after_forward, mp_policy, shard_dim) -> _Plan:
+# "param" | "module" | fn(module_fqn, module) -> bool marking bucket roots
+BucketPolicy = Union[str, Callable[[str, nn.Module], bool]]
+
+
+def _plan(model, mesh, mode, reshard_after_forward, mp_policy, shard_dim, bucket) -> _Plan:
     """Validate everything and compute the sharded parameters, without touching ``model``."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"parametrize expects an nn.Module, got {type(model).__name__}")
@@ -287,6 +309,7 @@ def _plan(model, mesh, mode, reshard_after_forward, mp_policy, shard_dim) -> _Pl
     if not isinstance(shard_dim, int) or isinstance(shard_dim, bool) or shard_dim < 0:
         raise ValueError(f"shard_dim={shard_dim!r} must be a non-negative int")
     reshard_of = _reshard_resolver(model, reshard_after_forward)
+    is_root = _bucket_roots(bucket)
 
     params = [(mfqn, m, n, p) for mfqn, m in model.named_modules()
               for n, p in m.named_parameters(recurse=False)]
@@ -305,6 +328,8 @@ def _plan(model, mesh, mode, reshard_after_forward, mp_policy, shard_dim) -> _Pl
     modules: dict[int, tuple] = {}
     accesses: dict[str, tuple] = {}
     seen: dict[int, str] = {}
+    roots = {fqn: m for fqn, m in model.named_modules() if is_root(fqn, m)}
+    bucket_entries: dict[str, list] = {}
     for mfqn, module, name, param in params:
         fqn = f"{mfqn}.{name}" if mfqn else name
         if id(param) in seen:
@@ -323,14 +348,51 @@ def _plan(model, mesh, mode, reshard_after_forward, mp_policy, shard_dim) -> _Pl
                 f"parameter {fqn!r} has dtype {param.dtype}; fsdptag shards floating-point "
                 "parameters only: register it as a buffer instead"
             )
-        reshard = reshard_of(mfqn, module) and mode is not DataParallelMode.REPLICATE
+        root = None
+        if mode is DataParallelMode.FULLY_SHARD and not isinstance(param, DTensor):
+            root = next((r for r in _ancestors(mfqn) if r in roots), None)
+        owner, owner_fqn = (roots[root], root) if root is not None else (module, mfqn)
+        reshard = reshard_of(owner_fqn, owner) and mode is not DataParallelMode.REPLICATE
         access, sharded = _shard_param(param, FSDPTag(fqn, reshard), dp_mesh, dp_placements, mp)
+        if root is not None:
+            bucket_entries.setdefault(root, []).append((module, name, access))
         entry = modules.setdefault(id(module), (module, [], [], []))
         entry[1].append(name)
         entry[2].append(access)
         entry[3].append(sharded)
         accesses[fqn] = (module, name, access)
-    return _Plan(mp, list(modules.values()), accesses)
+    buckets = []
+    for root, entries in bucket_entries.items():
+        from ._bucket import Bucket
+
+        tag = FSDPTag(root or "<root>", entries[0][2].tag.reshard_after_forward)
+        buckets.append((roots[root], Bucket(tag.fqn, tag, entries, dp_mesh, mp)))
+    return _Plan(mp, list(modules.values()), accesses, buckets)
+
+
+def _ancestors(fqn: str) -> list[str]:
+    """``"a.b.c"`` -> ``["a.b.c", "a.b", "a", ""]``: nearest first."""
+    parts = fqn.split(".") if fqn else []
+    return [".".join(parts[:i]) for i in range(len(parts), -1, -1)]
+
+
+def _bucket_roots(bucket) -> Callable[[str, nn.Module], bool]:
+    if bucket == "param":
+        return lambda fqn, module: False
+    if bucket == "module":
+        return lambda fqn, module: any(True for _ in module.parameters(recurse=False))
+    if callable(bucket) and not isinstance(bucket, str):
+        def checked(fqn: str, module: nn.Module) -> bool:
+            value = bucket(fqn, module)
+            if not isinstance(value, bool):
+                raise TypeError(f"bucket callable returned {value!r} for module {fqn!r}; return a bool")
+            return value
+
+        return checked
+    raise ValueError(
+        f"bucket={bucket!r}; use 'param', 'module', or a callable (module_fqn, module) -> bool "
+        "marking bucket roots, e.g. lambda fqn, m: isinstance(m, TransformerBlock)"
+    )
 
 
 def _parse_mode(mode) -> DataParallelMode:
@@ -486,6 +548,22 @@ def _strided_if_needed(dp: Placement, tp_mesh: DeviceMesh, tp_placements) -> Pla
 # ---------------------------------------------------------------- class swap
 
 _CLASS_CACHE: dict[tuple[type, tuple[str, ...]], type] = {}
+
+
+_SCOPE_CLASS_CACHE: dict[type, type] = {}
+
+
+def _bucket_scope_class(cls: type) -> type:
+    """A subclass whose ``forward`` runs in a fresh gather scope of the module's bucket."""
+    scope_cls = _SCOPE_CLASS_CACHE.get(cls)
+    if scope_cls is None:
+
+        def forward(self, *args, **kwargs):
+            return self._fsdptag_bucket.scoped(super(scope_cls, self).forward)(*args, **kwargs)
+
+        scope_cls = type(f"Bucketed{cls.__name__}", (cls,), {"forward": forward})
+        _SCOPE_CLASS_CACHE[cls] = scope_cls
+    return scope_cls
 
 
 def _swap_class(module: nn.Module, names: list[str], accesses: list[_ParamAccess]) -> None:

@@ -34,6 +34,8 @@ a checkpointed zero3 block at one re-gather per parameter.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 from torch.autograd.graph import saved_tensors_hooks
@@ -43,46 +45,46 @@ from ._tag import get_fsdp_tag, innermost as _innermost
 
 
 class _Regather:
-    """One parameter's re-gather, shared by every handle packed in one forward."""
+    """One re-gather (a parameter, or a whole bucket: Note [Buckets]), shared by every
+    handle packed in one forward; dropped when the last handle is unpacked."""
 
-    __slots__ = ("module", "name", "access", "pending", "buffer")
+    __slots__ = ("gather", "pending", "buffers")
 
-    def __init__(self, module: nn.Module, name: str, access) -> None:
-        self.module, self.name, self.access = module, name, access
+    def __init__(self, gather) -> None:
+        self.gather = gather  # () -> {access: gathered tensor}
         self.pending = 0
-        self.buffer: torch.Tensor | None = None
+        self.buffers: dict | None = None
 
-    def take(self) -> torch.Tensor:
-        if self.buffer is None:
+    def take(self, access) -> torch.Tensor:
+        if self.buffers is None:
             with torch.no_grad():
-                # Tagged so collective traces attribute it; the tag is stripped below.
-                gathered = self.access.gather(self.module._parameters[self.name], tagged=True)
-            self.buffer = _innermost(gathered)
-        buffer = self.buffer
+                # Tagged so collective traces attribute it; the tags are stripped here.
+                self.buffers = {a: _innermost(t) for a, t in self.gather().items()}
+        buffer = self.buffers[access]
         self.pending -= 1
         if self.pending == 0:
-            self.buffer = None
+            self.buffers = None
         return buffer
 
 
 class _PackedView:
     """What autograd stores instead of a zero3 gathered tensor."""
 
-    __slots__ = ("regather", "size", "stride", "offset", "nbytes", "spec")
+    __slots__ = ("regather", "access", "size", "stride", "offset", "nbytes", "spec")
 
-    def __init__(self, regather: _Regather, t: torch.Tensor) -> None:
+    def __init__(self, regather: _Regather, access, t: torch.Tensor) -> None:
         inner = _innermost(t)
-        self.regather = regather
+        self.regather, self.access = regather, access
         self.size, self.stride, self.offset = inner.size(), inner.stride(), inner.storage_offset()
         self.nbytes = inner.untyped_storage().nbytes()
         self.spec = t._spec if isinstance(t, DTensor) else None
         regather.pending += 1
 
     def unpack(self) -> torch.Tensor:
-        buffer = self.regather.take()
+        buffer = self.regather.take(self.access)
         if buffer.untyped_storage().nbytes() != self.nbytes:
             raise RuntimeError(
-                f"fsdptag: re-gathered {self.regather.access.tag.fqn!r} has a "
+                f"fsdptag: re-gathered {self.access.tag.fqn!r} has a "
                 f"{buffer.untyped_storage().nbytes()}-byte buffer but the saved view needs "
                 f"{self.nbytes}; autograd saved a tensor that is not a view of the gathered "
                 "parameter. Please report this with the op that saved it."
@@ -139,10 +141,17 @@ class Zero3SavedTensorHooks:
         stored = module._parameters[name]._local_tensor
         if _innermost(t).untyped_storage()._cdata == stored.untyped_storage()._cdata:
             return t  # the "gathered" tensor is the stored shard itself (1 rank): nothing to free
-        regather = self._regathers.get(tag.fqn)
+        bucket = access.bucket
+        key = bucket.name if bucket is not None else tag.fqn
+        regather = self._regathers.get(key)
         if regather is None:
-            regather = self._regathers[tag.fqn] = _Regather(module, name, access)
-        return _PackedView(regather, t)
+            if bucket is not None:
+                gather = functools.partial(bucket.gather, tagged=True)
+            else:
+                def gather(module=module, name=name, access=access):
+                    return {access: access.gather(module._parameters[name], tagged=True)}
+            regather = self._regathers[key] = _Regather(gather)
+        return _PackedView(regather, access, t)
 
     @staticmethod
     def _unpack(x):

@@ -21,7 +21,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 import fsdptag
 from fsdptag.baselines import apply_baseline_ac
 from fsdptag.debug import CollectiveCounter, LiveStorageTracker
-from fsdptag.models.llama import Llama, LlamaConfig, apply_tp
+from fsdptag.models.llama import Llama, LlamaConfig, TransformerBlock, apply_tp
 
 from .harness import launch, result, run_cases
 
@@ -32,14 +32,18 @@ AC_MODES = ("none", "full", "selective", "layer")
 aten, c10d = torch.ops.aten, torch.ops._c10d_functional
 
 
-def _build(dp_mesh_for_parametrize, mode, reshard, *, tp_mesh=None, ac="none"):
+def _block_buckets(fqn, module):
+    return isinstance(module, TransformerBlock) or fqn == ""
+
+
+def _build(dp_mesh_for_parametrize, mode, reshard, *, tp_mesh=None, ac="none", bucket="param"):
     torch.manual_seed(0)
     model = Llama(CFG)
     model.init_weights()
     if tp_mesh is not None:
         apply_tp(model, tp_mesh)
     fsdptag.parametrize(model, dp_mesh_for_parametrize, mode=mode, reshard_after_forward=reshard,
-                        mp_policy=MP)
+                        mp_policy=MP, bucket=bucket)
     _apply_ac(model, ac)
     return model
 
@@ -77,12 +81,12 @@ def _tp_lines(cc):
     return [l for l in cc.summary().splitlines() if " tp" in l]
 
 
-def _matrix(name, mesh, mode, *, dp_rank, tp_mesh=None):
+def _matrix(name, mesh, mode, *, dp_rank, tp_mesh=None, bucket="param"):
     rows = {}
     for reshard in (False, True):
         reference = None
         for ac in AC_MODES:
-            model = _build(mesh, mode, reshard, tp_mesh=tp_mesh, ac=ac)
+            model = _build(mesh, mode, reshard, tp_mesh=tp_mesh, ac=ac, bucket=bucket)
             cc, grads = _step(model, mesh, dp_rank)
             if reference is None:
                 reference = grads
@@ -238,6 +242,8 @@ def worker_2ranks():
     return run_cases({
         "ddp": functools.partial(_matrix, "DDP", mesh, "replicate", dp_rank=r),
         "fsdp": functools.partial(_matrix, "FSDP", mesh, "fully_shard", dp_rank=r),
+        "fsdp buckets": functools.partial(_matrix, "FSDP/block", mesh, "fully_shard", dp_rank=r,
+                                          bucket=_block_buckets),
         "errors": functools.partial(_errors, mesh),
         "sac saved": functools.partial(_sac_saved, mesh),
     })
@@ -265,7 +271,7 @@ def results():
 
 def _matrix_rows(results):
     rows = {}
-    for name in ("ddp", "fsdp", "hsdp", "fsdp+tp"):
+    for name in ("ddp", "fsdp", "fsdp buckets", "hsdp", "fsdp+tp"):
         rows.update(result(results, name))
     return rows
 
@@ -296,6 +302,14 @@ FSDP zero3 none          fwd 21  bwd 20
 FSDP zero3 full          fwd 21  bwd 20
 FSDP zero3 selective     fwd 21  bwd 20
 FSDP zero3 layer         fwd 21  bwd 20
+FSDP/block zero2 none    fwd  3  bwd  0
+FSDP/block zero2 full    fwd  3  bwd  0
+FSDP/block zero2 selective fwd  3  bwd  0
+FSDP/block zero2 layer   fwd  3  bwd  0
+FSDP/block zero3 none    fwd  3  bwd  3
+FSDP/block zero3 full    fwd  3  bwd  3
+FSDP/block zero3 selective fwd  3  bwd  3
+FSDP/block zero3 layer   fwd  3  bwd  3
 HSDP zero2 none          fwd 21  bwd  0
 HSDP zero2 full          fwd 21  bwd  0
 HSDP zero2 selective     fwd 21  bwd  0

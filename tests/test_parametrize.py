@@ -27,13 +27,22 @@ STEPS = 5
 # ---------------------------------------------------------------- cases
 
 
-def _parity(mesh, mode, reshard, *, dp_rank, dp_size, tp_mesh=None, mp=None):
+def _block_buckets(fqn, module):
+    """Bucket roots: each block, and the root for the rest (one gather per block)."""
+    return isinstance(module, models.Block) or fqn == ""
+
+
+BUCKETS = {"param": "param", "module": "module", "block": _block_buckets}
+
+
+def _parity(mesh, mode, reshard, *, dp_rank, dp_size, tp_mesh=None, mp=None, bucket="param"):
     ref = models.make_net()
     model = models.clone(ref)
     if tp_mesh is not None:
         for block in model.layers:
             parallelize_module(block, tp_mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
-    fsdptag.parametrize(model, mesh, mode=mode, reshard_after_forward=reshard, mp_policy=mp)
+    fsdptag.parametrize(model, mesh, mode=mode, reshard_after_forward=reshard, mp_policy=mp,
+                        bucket=BUCKETS[bucket])
     ref_losses = models.train_reference(ref, STEPS, dp_size, dp_rank)
     losses, optim = models.train_parallel(model, STEPS, dp_size, dp_rank)
     leaks = _tagged_leaks(model, optim)
@@ -62,12 +71,12 @@ def _tagged_leaks(model, optim) -> list[str]:
     return found
 
 
-def _collectives(mesh, mode, reshard, *, tp_mesh=None, dp_rank=0, dp_size=1):
+def _collectives(mesh, mode, reshard, *, tp_mesh=None, dp_rank=0, dp_size=1, bucket="param"):
     model = models.make_net()
     if tp_mesh is not None:
         for block in model.layers:
             parallelize_module(block, tp_mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
-    fsdptag.parametrize(model, mesh, mode=mode, reshard_after_forward=reshard)
+    fsdptag.parametrize(model, mesh, mode=mode, reshard_after_forward=reshard, bucket=BUCKETS[bucket])
     tokens, targets = models.batch(0, dp_size)
     with CollectiveCounter(mesh) as cc:
         models.loss_fn(model(tokens[dp_rank]), targets[dp_rank]).backward()
@@ -207,6 +216,13 @@ def worker_2ranks():
                 _parity, mesh, mode, reshard, dp_rank=r, dp_size=2)
             cases[f"collectives {mode} zero{3 if reshard else 2}"] = functools.partial(
                 _collectives, mesh, mode, reshard, dp_rank=r, dp_size=2)
+    for bucket in ("module", "block"):
+        for reshard in (False, True):
+            z = f"zero{3 if reshard else 2}"
+            cases[f"parity fully_shard bucket={bucket} {z}"] = functools.partial(
+                _parity, mesh, "fully_shard", reshard, dp_rank=r, dp_size=2, bucket=bucket)
+            cases[f"collectives fully_shard bucket={bucket} {z}"] = functools.partial(
+                _collectives, mesh, "fully_shard", reshard, dp_rank=r, dp_size=2, bucket=bucket)
     cases["kept zero2"] = functools.partial(_kept_bytes, mesh, False)
     cases["kept zero3"] = functools.partial(_kept_bytes, mesh, True)
     cases["bf16 vs fsdp2"] = functools.partial(_bf16_vs_fsdp2, mesh)
@@ -226,7 +242,8 @@ def two_ranks():
 # ---------------------------------------------------------------- tests
 
 
-@pytest.mark.parametrize("mode", ["replicate", "fully_shard"])
+@pytest.mark.parametrize("mode", ["replicate", "fully_shard", "fully_shard bucket=module",
+                                  "fully_shard bucket=block"])
 @pytest.mark.parametrize("zero", [2, 3])
 def test_parity_2ranks(two_ranks, mode, zero):
     r = result(two_ranks, f"parity {mode} zero{zero}")
@@ -252,7 +269,23 @@ backward reduce_scatter dp x16
 forward  all_gather dp [fsdp] x16
 backward all_gather dp [fsdp] x11
 backward reduce_scatter dp x16
-re-gathered: head.weight layers.0.fc1.weight layers.0.fc2.weight layers.0.norm.bias layers.0.norm.weight layers.1.fc1.weight layers.1.fc2.weight layers.1.norm.bias layers.1.norm.weight norm.bias norm.weight""")
+re-gathered: head.weight layers.0.fc1.weight layers.0.fc2.weight layers.0.norm.bias layers.0.norm.weight layers.1.fc1.weight layers.1.fc2.weight layers.1.norm.bias layers.1.norm.weight norm.bias norm.weight
+== collectives fully_shard bucket=module zero2
+forward  all_gather dp [fsdp] x9
+backward reduce_scatter dp x9
+== collectives fully_shard bucket=module zero3
+forward  all_gather dp [fsdp] x9
+backward all_gather dp [fsdp] x8
+backward reduce_scatter dp x9
+re-gathered: head layers.0.fc1 layers.0.fc2 layers.0.norm layers.1.fc1 layers.1.fc2 layers.1.norm norm
+== collectives fully_shard bucket=block zero2
+forward  all_gather dp [fsdp] x3
+backward reduce_scatter dp x3
+== collectives fully_shard bucket=block zero3
+forward  all_gather dp [fsdp] x3
+backward all_gather dp [fsdp] x3
+backward reduce_scatter dp x3
+re-gathered: <root> layers.0 layers.1""")
 
 
 def test_zero3_frees_gathered_params(two_ranks):
@@ -342,6 +375,8 @@ def worker_4ranks():
         cases[f"collectives fsdp+tp 2x2 {z}"] = functools.partial(
             _collectives, dp_tp, "fully_shard", reshard, tp_mesh=dp_tp["tp"],
             dp_rank=dp_rank, dp_size=2)
+        cases[f"parity fully_shard 4 bucket=block {z}"] = functools.partial(
+            _parity, flat, "fully_shard", reshard, dp_rank=r, dp_size=4, bucket="block")
     cases["uneven zero3 ranks agree"] = functools.partial(_tp_collectives_consistent, flat)
     return run_cases(cases)
 
@@ -351,8 +386,8 @@ def four_ranks():
     return launch(4, worker_4ranks)
 
 
-@pytest.mark.parametrize("config", ["fully_shard 4", "hybrid_shard 2x2", "fsdp+tp 2x2",
-                                    "hsdp+tp 1x2x2"])
+@pytest.mark.parametrize("config", ["fully_shard 4", "fully_shard 4 bucket=block", "hybrid_shard 2x2",
+                                    "fsdp+tp 2x2", "hsdp+tp 1x2x2"])
 @pytest.mark.parametrize("zero", [2, 3])
 def test_parity_4ranks(four_ranks, config, zero):
     r = result(four_ranks, f"parity {config} zero{zero}")
