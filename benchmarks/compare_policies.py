@@ -36,7 +36,7 @@ import fsdptag
 from fsdptag.baselines import apply_baseline_ac
 from fsdptag.debug import CollectiveCounter, LiveStorageTracker, disable_tagging
 from fsdptag.launch import spawn
-from fsdptag.models.llama import Llama, LlamaConfig, apply_tp
+from fsdptag.models.llama import Llama, LlamaConfig, TransformerBlock, apply_tp
 
 VARIANTS = ("tagged", "op-name", "no-fix", "fsdp2", "untagged")
 
@@ -59,7 +59,11 @@ def _ac_args(ac: str):
     return ("selective", 2) if ac == "layer" else (ac, None)
 
 
-def _build(variant, cfg, mesh, tp, reshard, ac):
+def _block_buckets(fqn, module):
+    return isinstance(module, TransformerBlock) or fqn == ""
+
+
+def _build(variant, cfg, mesh, tp, reshard, ac, bucket):
     torch.manual_seed(0)
     model = Llama(cfg)
     model.init_weights()
@@ -77,7 +81,8 @@ def _build(variant, cfg, mesh, tp, reshard, ac):
         fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
         return model
     fsdptag.parametrize(model, mesh, mode="fully_shard", reshard_after_forward=reshard,
-                        mp_policy=fsdptag.MixedPrecisionPolicy(torch.bfloat16, torch.float32))
+                        mp_policy=fsdptag.MixedPrecisionPolicy(torch.bfloat16, torch.float32),
+                        bucket=_block_buckets if bucket == "block" else bucket)
     if variant == "tagged":
         fsdptag.apply_ac(model, mode, layer_every=every)
     else:
@@ -94,8 +99,8 @@ def _step(model, optim, tokens):
     optim.zero_grad(set_to_none=True)
 
 
-def _measure(variant, cfg, mesh, tp, reshard, ac, steps, tokens) -> Record:
-    model = _build(variant, cfg, mesh, tp, reshard, ac)
+def _measure(variant, cfg, mesh, tp, reshard, ac, steps, tokens, bucket) -> Record:
+    model = _build(variant, cfg, mesh, tp, reshard, ac, bucket)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     untagged = disable_tagging() if variant == "untagged" else None
     if untagged is not None:
@@ -130,9 +135,9 @@ def _measure(variant, cfg, mesh, tp, reshard, ac, steps, tokens) -> Record:
     )
 
 
-def _worker(cfg: LlamaConfig, acs, steps, batch, seq_len):
+def _worker(cfg: LlamaConfig, acs, steps, batch, seq_len, bucket, tps, variants):
     records = []
-    for tp in (1, 2):
+    for tp in tps:
         shape, names = ((4,), ("dp",)) if tp == 1 else ((2, 2), ("dp", "tp"))
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
         dp_rank = (mesh["dp"] if tp > 1 else mesh).get_local_rank()
@@ -140,8 +145,8 @@ def _worker(cfg: LlamaConfig, acs, steps, batch, seq_len):
         tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), generator=g)
         for reshard in (False, True):
             for ac in acs:
-                group = [_measure(v, cfg, mesh, tp, reshard, ac, steps, tokens) for v in VARIANTS]
-                base = next(r.step_time_s for r in group if r.variant == "no-fix")
+                group = [_measure(v, cfg, mesh, tp, reshard, ac, steps, tokens, bucket) for v in variants]
+                base = next((r.step_time_s for r in group if r.variant == "no-fix"), float("nan"))
                 for r in group:
                     r.time_vs_no_fix = r.step_time_s / base
                 records += group
@@ -190,6 +195,10 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=None)
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--bucket", default="param", choices=["param", "module", "block"],
+                   help="fsdptag's gather buckets (block: one per transformer block + the root)")
+    p.add_argument("--tp", default="1,2", help="comma list of TP degrees to run (1 and/or 2)")
+    p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
     args = p.parse_args()
@@ -200,8 +209,11 @@ def main() -> None:
     cfg = LlamaConfig(dim=dim, n_layers=layers, n_heads=4, n_kv_heads=2, vocab_size=512,
                       ffn_hidden=dim * 8 // 3 // 8 * 8, max_seq_len=64)
     t0 = time.perf_counter()
-    records = spawn(4, _worker, cfg, acs, max(args.steps, 5), batch, seq_len)
+    tps = tuple(int(t) for t in args.tp.split(","))
+    variants = tuple(args.variants.split(","))
+    records = spawn(4, _worker, cfg, acs, max(args.steps, 5), batch, seq_len, args.bucket, tps, variants)
     print(f"compare_policies: dim={dim} layers={layers} batch={batch} seq={seq_len} per dp rank, "
+          f"bucket={args.bucket}, "
           f"4 ranks (gloo, CPU), bf16 params, median of {max(args.steps, 5)} steps; "
           f"{time.perf_counter() - t0:.0f} s\n")
     print(_table(records))
