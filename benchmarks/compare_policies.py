@@ -2,7 +2,7 @@
 
     python benchmarks/compare_policies.py --quick [--json out.json] [--plot out.png]
 
-Spawns 4 gloo ranks on CPU and runs, for zero2 and zero3, without TP (4-way
+Spawns 4 gloo ranks (``--world``) on CPU and runs, for zero2 and zero3, without TP (4-way
 FSDP) and with TP (2 dp x 2 tp, sequence parallel), each AC mode asked for:
 
   tagged    fsdptag's policy (``fsdptag.apply_ac``)
@@ -137,8 +137,9 @@ def _measure(variant, cfg, mesh, tp, reshard, ac, steps, tokens, bucket) -> Reco
 
 def _worker(cfg: LlamaConfig, acs, steps, batch, seq_len, bucket, tps, variants):
     records = []
+    world = dist.get_world_size()
     for tp in tps:
-        shape, names = ((4,), ("dp",)) if tp == 1 else ((2, 2), ("dp", "tp"))
+        shape, names = ((world,), ("dp",)) if tp == 1 else ((world // tp, tp), ("dp", "tp"))
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
         dp_rank = (mesh["dp"] if tp > 1 else mesh).get_local_rank()
         g = torch.Generator().manual_seed(dp_rank)
@@ -199,6 +200,7 @@ def main() -> None:
                    help="fsdptag's gather buckets (block: one per transformer block + the root)")
     p.add_argument("--tp", default="1,2", help="comma list of TP degrees to run (1 and/or 2)")
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--world", type=int, default=4, help="ranks (TP 2 needs an even number)")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
     args = p.parse_args()
@@ -211,10 +213,10 @@ def main() -> None:
     t0 = time.perf_counter()
     tps = tuple(int(t) for t in args.tp.split(","))
     variants = tuple(args.variants.split(","))
-    records = spawn(4, _worker, cfg, acs, max(args.steps, 5), batch, seq_len, args.bucket, tps, variants)
+    records = spawn(args.world, _worker, cfg, acs, max(args.steps, 5), batch, seq_len, args.bucket, tps, variants)
     print(f"compare_policies: dim={dim} layers={layers} batch={batch} seq={seq_len} per dp rank, "
           f"bucket={args.bucket}, "
-          f"4 ranks (gloo, CPU), bf16 params, median of {max(args.steps, 5)} steps; "
+          f"{args.world} ranks (gloo, CPU), bf16 params, median of {max(args.steps, 5)} steps; "
           f"{time.perf_counter() - t0:.0f} s\n")
     print(_table(records))
     if args.json:
