@@ -136,6 +136,35 @@ def _fsdp2_collectives(mesh):
     return cc.summary()
 
 
+class _Reuse(nn.Module):
+    """Reads the same weights twice in one forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.lin(torch.tanh(self.lin(x)))
+
+
+def _gather_once(mesh):
+    """Inside a bucket root's forward a parameter read twice is gathered (and kept) once."""
+    out = {}
+    x = torch.randn(3, 6)
+    buckets = {"param": "param", "module": "module", "root": lambda fqn, m: fqn == ""}
+    for name, bucket in buckets.items():
+        torch.manual_seed(0)
+        ref = _Reuse()
+        model = fsdptag.parametrize(models.clone(ref), mesh, mode="fully_shard",
+                                    reshard_after_forward=False, bucket=bucket)
+        with CollectiveCounter(mesh) as cc:
+            model(x).sum().backward()
+        ref(x).sum().backward()
+        same = torch.allclose(model.lin._parameters["weight"].grad.full_tensor(), ref.lin.weight.grad)
+        out[name] = (cc.count("forward", "all_gather"), cc.count("backward", "reduce_scatter"), same)
+    return out
+
+
 def _state_dict_collectives(mesh):
     model = models.make_net()
     fsdptag.parametrize(model, mesh, mode="fully_shard")
@@ -228,6 +257,7 @@ def worker_2ranks():
     cases["bf16 vs fsdp2"] = functools.partial(_bf16_vs_fsdp2, mesh)
     cases["state_dict"] = functools.partial(_state_dict_collectives, mesh)
     cases["fsdp2 collectives"] = functools.partial(_fsdp2_collectives, mesh)
+    cases["gather once"] = functools.partial(_gather_once, mesh)
     cases["per-module tags"] = functools.partial(_per_module_tags, mesh)
     cases["meta init"] = functools.partial(_meta_init, mesh)
     cases["bad input"] = functools.partial(_bad_input, mesh, mesh2d)
@@ -305,6 +335,14 @@ def test_counter_sees_fsdp2(two_ranks):
 forward  all_gather dp x3
 backward all_gather dp x2
 backward reduce_scatter dp x3""")
+
+
+def test_bucket_gathers_a_reused_weight_once(two_ranks):
+    # per parameter: weight and bias gathered at each of the 2 reads (4 gathers, 4
+    # reductions). bucket="module": `lin` is the bucket root and is called twice, so
+    # one gather per call. A bucket rooted above both calls: one gather, one reduction.
+    assert result(two_ranks, "gather once") == {
+        "param": (4, 4, True), "module": (2, 2, True), "root": (1, 1, True)}
 
 
 def test_state_dict_has_no_collective(two_ranks):
