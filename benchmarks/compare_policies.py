@@ -36,7 +36,7 @@ import fsdptag
 from fsdptag.baselines import apply_baseline_ac
 from fsdptag.debug import CollectiveCounter, LiveStorageTracker, disable_tagging
 from fsdptag.launch import spawn
-from fsdptag.models.llama import Llama, LlamaConfig, TransformerBlock, apply_tp
+from fsdptag.models.llama import Llama, LlamaConfig, apply_tp, block_buckets
 
 VARIANTS = ("tagged", "op-name", "no-fix", "fsdp2", "untagged")
 
@@ -59,10 +59,6 @@ def _ac_args(ac: str):
     return ("selective", 2) if ac == "layer" else (ac, None)
 
 
-def _block_buckets(fqn, module):
-    return isinstance(module, TransformerBlock) or fqn == ""
-
-
 def _build(variant, cfg, mesh, tp, reshard, ac, bucket):
     torch.manual_seed(0)
     model = Llama(cfg)
@@ -82,7 +78,7 @@ def _build(variant, cfg, mesh, tp, reshard, ac, bucket):
         return model
     fsdptag.parametrize(model, mesh, mode="fully_shard", reshard_after_forward=reshard,
                         mp_policy=fsdptag.MixedPrecisionPolicy(torch.bfloat16, torch.float32),
-                        bucket=_block_buckets if bucket == "block" else bucket)
+                        bucket=block_buckets if bucket == "block" else bucket)
     if variant == "tagged":
         fsdptag.apply_ac(model, mode, layer_every=every)
     else:

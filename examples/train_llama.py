@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fsdptag
 from fsdptag.debug import CollectiveCounter, LiveStorageTracker
-from fsdptag.models.llama import Llama, LlamaConfig, TransformerBlock, apply_tp
+from fsdptag.models.llama import Llama, LlamaConfig, apply_tp, block_buckets
 
 
 def parse_args() -> argparse.Namespace:
@@ -87,8 +87,7 @@ def main() -> None:
     if args.tp > 1:
         apply_tp(model, mesh["tp"])
     mp = fsdptag.MixedPrecisionPolicy(torch.bfloat16, torch.float32) if args.mp == "bf16" else None
-    buckets = {"param": "param", "module": "module",
-               "block": lambda fqn, m: isinstance(m, TransformerBlock) or fqn == ""}
+    buckets = {"param": "param", "module": "module", "block": block_buckets}
     fsdptag.parametrize(model, mesh, mode=args.dp_mode, mp_policy=mp, bucket=buckets[args.bucket],
                         reshard_after_forward=args.reshard_after_forward == "true")
     fsdptag.apply_ac(model, args.ac, layer_every=args.ac_layer_every)

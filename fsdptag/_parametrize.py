@@ -33,6 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
+from ._bucket import Bucket
 from ._tag import FSDPTag, tag_shard
 
 __all__ = [
@@ -363,8 +364,6 @@ def _plan(model, mesh, mode, reshard_after_forward, mp_policy, shard_dim, bucket
         accesses[fqn] = (module, name, access)
     buckets = []
     for root, entries in bucket_entries.items():
-        from ._bucket import Bucket
-
         tag = FSDPTag(root or "<root>", entries[0][2].tag.reshard_after_forward)
         buckets.append((roots[root], Bucket(tag.fqn, tag, entries, dp_mesh, mp)))
     return _Plan(mp, list(modules.values()), accesses, buckets)

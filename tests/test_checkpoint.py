@@ -21,7 +21,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 import fsdptag
 from fsdptag.baselines import apply_baseline_ac
 from fsdptag.debug import CollectiveCounter, LiveStorageTracker
-from fsdptag.models.llama import Llama, LlamaConfig, TransformerBlock, apply_tp
+from fsdptag.models.llama import Llama, LlamaConfig, apply_tp, block_buckets
 
 from .harness import launch, result, run_cases
 
@@ -30,10 +30,6 @@ CFG = LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=66, ff
 MP = fsdptag.MixedPrecisionPolicy(torch.bfloat16, torch.float32)
 AC_MODES = ("none", "full", "selective", "layer")
 aten, c10d = torch.ops.aten, torch.ops._c10d_functional
-
-
-def _block_buckets(fqn, module):
-    return isinstance(module, TransformerBlock) or fqn == ""
 
 
 def _build(dp_mesh_for_parametrize, mode, reshard, *, tp_mesh=None, ac="none", bucket="param"):
@@ -243,7 +239,7 @@ def worker_2ranks():
         "ddp": functools.partial(_matrix, "DDP", mesh, "replicate", dp_rank=r),
         "fsdp": functools.partial(_matrix, "FSDP", mesh, "fully_shard", dp_rank=r),
         "fsdp buckets": functools.partial(_matrix, "FSDP/block", mesh, "fully_shard", dp_rank=r,
-                                          bucket=_block_buckets),
+                                          bucket=block_buckets),
         "errors": functools.partial(_errors, mesh),
         "sac saved": functools.partial(_sac_saved, mesh),
     })

@@ -195,6 +195,7 @@ def _bad_input(mesh, mesh2d):
     attempt("tp mesh not a sub-mesh", tp_on_foreign_mesh, mesh=mesh, mode="fully_shard")
     attempt("mp_policy of wrong type", models.make_net, mesh=mesh, mode="fully_shard",
             mp_policy={"param_dtype": torch.bfloat16})
+    attempt("unknown bucket", models.make_net, mesh=mesh, mode="fully_shard", bucket="block")
     try:
         fsdptag.MixedPrecisionPolicy(param_dtype=torch.int8)
         out["non-floating mp dtype"] = "no error"
@@ -365,6 +366,7 @@ mesh device type differs: ValueError: parameters are on 'cpu' but the mesh is on
 parameters on several devices: ValueError: parameters are on several device types {'cpu': 'tok.weight', 'meta': 'head.weight'}; move the whole model to one device (model.to('cpu'), or build it all under torch.device('meta')) before parametrize
 tp mesh not a sub-mesh: ValueError: TP parameter 'layers.0.fc1.weight' lives on mesh DeviceMesh((b=2), 'cpu', stride=(1,)), which is not a sub-mesh of the device mesh the data-parallel mesh DeviceMesh((dp=2), 'cpu', stride=(1,)) comes from; build both from one init_device_mesh, e.g. mesh = init_device_mesh(..., mesh_dim_names=('dp', 'tp'))
 mp_policy of wrong type: TypeError: mp_policy must be fsdptag.MixedPrecisionPolicy, got dict
+unknown bucket: ValueError: bucket='block'; use 'param', 'module', or a callable (module_fqn, module) -> bool marking bucket roots, e.g. lambda fqn, m: isinstance(m, TransformerBlock)
 non-floating mp dtype: ValueError: MixedPrecisionPolicy.param_dtype=torch.int8 is not a floating-point torch.dtype; use e.g. torch.bfloat16, torch.float16 or torch.float32 (or None for no cast)""")
 
 
