@@ -45,7 +45,7 @@ from torch.utils.checkpoint import (
     checkpoint,
 )
 
-from ._tag import get_fsdp_tag
+from ._tag import first_tag, get_fsdp_tag
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -75,12 +75,6 @@ class ACMode(enum.Enum):
     NONE = "none"
     FULL = "full"
     SELECTIVE = "selective"
-
-
-def _output_tag(out: Any):
-    if isinstance(out, (list, tuple)):
-        out = out[0] if out else None
-    return get_fsdp_tag(out) if isinstance(out, torch.Tensor) else None
 
 
 class _SaveOps:
@@ -141,7 +135,7 @@ def checkpoint_policy(base=None) -> Policy:
     save, recompute = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.MUST_RECOMPUTE
 
     def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
-        tag = _output_tag(ctx.op_output)
+        tag = first_tag(ctx.op_output)
         if tag is None:
             return base_fn(ctx, func, *args, **kwargs)
         if not tag.reshard_after_forward and func is _ALL_GATHER:

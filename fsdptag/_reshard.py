@@ -132,7 +132,7 @@ class Zero3SavedTensorHooks:
             ctx.__exit__(None, None, None)
 
     def _pack(self, t: torch.Tensor):
-        if type(t) is torch.Tensor or torch.nn.Parameter is type(t):
+        if type(t) in (torch.Tensor, nn.Parameter):  # plain tensors carry no tag
             return t
         tag = get_fsdp_tag(t)
         if tag is None or not tag.reshard_after_forward:

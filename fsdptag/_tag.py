@@ -241,30 +241,40 @@ TAG_KEEPING_OPS = frozenset(_TAG_TABLE)
 # ---------------------------------------------------------------- queries
 
 
+def _peel(t: Any) -> Any:
+    """The tensor one wrapper (DTensor or AsyncCollectiveTensor) in, or None."""
+    if isinstance(t, DTensor):
+        return t._local_tensor
+    if isinstance(t, AsyncCollectiveTensor):
+        return t.elem
+    return None
+
+
 def get_fsdp_tag(t: Any) -> FSDPTag | None:
     """The tag of ``t``, looking through DTensor and AsyncCollectiveTensor wrappers."""
-    while True:
-        if isinstance(t, FSDPTaggedTensor):
-            return t.tag
-        if isinstance(t, DTensor):
-            t = t._local_tensor
-        elif isinstance(t, AsyncCollectiveTensor):
-            t = t.elem
-        else:
+    while not isinstance(t, FSDPTaggedTensor):
+        t = _peel(t)
+        if t is None:
             return None
+    return t.tag
+
+
+def first_tag(x: Any) -> FSDPTag | None:
+    """The tag of ``x``, or of its first element for an op's list/tuple output or input."""
+    if isinstance(x, (list, tuple)):
+        x = x[0] if x else None
+    return get_fsdp_tag(x) if isinstance(x, torch.Tensor) else None
 
 
 def innermost(t: torch.Tensor) -> torch.Tensor:
     """The plain tensor inside DTensor / AsyncCollectiveTensor / FSDPTaggedTensor wrappers."""
     while True:
-        if isinstance(t, DTensor):
-            t = t._local_tensor
-        elif isinstance(t, AsyncCollectiveTensor):
-            t = t.elem
-        elif isinstance(t, FSDPTaggedTensor):
+        if isinstance(t, FSDPTaggedTensor):
             t = t._elem
-        else:
+        inner = _peel(t)
+        if inner is None:
             return t
+        t = inner
 
 
 def is_fsdp_tagged(t: Any) -> bool:

@@ -18,7 +18,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._parametrize import disable_tagging
-from ._tag import get_fsdp_tag
+from ._tag import first_tag
 
 __all__ = ["CollectiveCounter", "CollectiveEvent", "LiveStorageTracker", "disable_tagging"]
 
@@ -65,12 +65,6 @@ def _tensor_bytes(x) -> int:
     return 0
 
 
-def _first_tag(x):
-    if isinstance(x, (list, tuple)):
-        x = x[0] if x else None
-    return get_fsdp_tag(x) if isinstance(x, torch.Tensor) else None
-
-
 def _group_name(arg) -> str:
     if isinstance(arg, str):
         return arg
@@ -110,7 +104,7 @@ class CollectiveCounter(TorchDispatchMode):
             group = _group_name(args[group_idx] if len(args) > group_idx else kwargs.get("group_name"))
             # c10d's in-place all-gathers take (output, input); everything else input first.
             data = args[1] if func.namespace == "c10d" and kind == "all_gather" else args[0]
-            tag = _first_tag(data)
+            tag = first_tag(data)
             nbytes = _tensor_bytes(data)
             if kind == "all_gather":
                 nbytes = _tensor_bytes(args[0]) if func.namespace == "c10d" else nbytes * args[1]
@@ -173,7 +167,7 @@ _CAST = torch.ops.aten._to_copy.default
 def _storage_kind(func, out) -> str:
     """Who made a storage: an FSDP gather (tag, or FSDP2's own ops), a TP/other
     collective, an activation cast, or anything else."""
-    if func.namespace == "fsdp" or _first_tag(out) is not None:
+    if func.namespace == "fsdp" or first_tag(out) is not None:
         return "fsdp"
     if func in _COLLECTIVES or func.namespace == "_c10d_functional":
         return "collective"

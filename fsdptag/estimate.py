@@ -29,13 +29,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._checkpoint import apply_ac
 from ._parametrize import MixedPrecisionPolicy, parametrize
 from .baselines import apply_baseline_ac
 from .debug import LiveStorageTracker
 from .models.llama import CONFIGS, Llama, LlamaConfig, apply_tp
-from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["POLICIES", "MemoryEstimate", "build_mesh", "build_model", "measure_step", "estimate"]
 

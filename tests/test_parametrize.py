@@ -272,22 +272,29 @@ def two_ranks():
 # ---------------------------------------------------------------- tests
 
 
+def _assert_parity(results, name):
+    r = result(results, name)
+    assert r["loss"] < 1e-5 and r["params"] < 1e-5, r
+    assert r["leaks"] == []
+
+
+def _collectives_text(results) -> str:
+    got = {k: result(results, k) for k in results if k.startswith("collectives")}
+    return "\n".join(f"== {k}\n{v}" for k, v in got.items())
+
+
 @pytest.mark.parametrize("mode", ["replicate", "fully_shard", "fully_shard bucket=module",
                                   "fully_shard bucket=block"])
 @pytest.mark.parametrize("zero", [2, 3])
 def test_parity_2ranks(two_ranks, mode, zero):
-    r = result(two_ranks, f"parity {mode} zero{zero}")
-    assert r["loss"] < 1e-5 and r["params"] < 1e-5, r
-    assert r["leaks"] == []
+    _assert_parity(two_ranks, f"parity {mode} zero{zero}")
 
 
 def test_collectives_2ranks(two_ranks):
     # 16 parameters. zero2: no backward all-gather. zero3 re-gathers the 11 that
     # autograd saves: 8 weights (not the embedding table) + the 3 LayerNorm biases,
     # which aten's layer_norm saves for backward (it only checks they are defined).
-    got = {k: result(two_ranks, k) for k in two_ranks if k.startswith("collectives")}
-    text = "\n".join(f"== {k}\n{v}" for k, v in got.items())
-    assert_expected_inline(text, """\
+    assert_expected_inline(_collectives_text(two_ranks), """\
 == collectives replicate zero2
 backward all_reduce dp x16
 == collectives replicate zero3
@@ -428,15 +435,11 @@ def four_ranks():
                                     "fsdp+tp 2x2", "hsdp+tp 1x2x2"])
 @pytest.mark.parametrize("zero", [2, 3])
 def test_parity_4ranks(four_ranks, config, zero):
-    r = result(four_ranks, f"parity {config} zero{zero}")
-    assert r["loss"] < 1e-5 and r["params"] < 1e-5, r
-    assert r["leaks"] == []
+    _assert_parity(four_ranks, f"parity {config} zero{zero}")
 
 
 def test_collectives_4ranks(four_ranks):
-    got = {k: result(four_ranks, k) for k in four_ranks if k.startswith("collectives")}
-    text = "\n".join(f"== {k}\n{v}" for k, v in got.items())
-    assert_expected_inline(text, """\
+    assert_expected_inline(_collectives_text(four_ranks), """\
 == collectives hybrid_shard 2x2 zero2
 forward  all_gather shard [fsdp] x16
 backward all_reduce replicate x16
