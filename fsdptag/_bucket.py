@@ -3,31 +3,52 @@
 Note [Buckets]
 --------------
 With ``parametrize(..., bucket="module" | fn)`` the parameters under a bucket
-root module (fully_shard, non-TP parameters) are gathered together: each rank
-packs its shards (cast to ``param_dtype``, padded to ``ceil(rows / world)`` rows)
-into one flat buffer, one ``all_gather_into_tensor`` gathers it, and each
-parameter is copied out of the gathered buffer. Backward packs the gradients the
-same way for one ``reduce_scatter_tensor`` (in ``reduce_dtype``, averaged).
+root module (fully_shard, non-TP parameters of one dtype) are gathered together,
+in the layout FSDP2 uses for a parameter group:
+
+* Storage: the bucket owns one flat per-rank buffer; slot ``i`` holds parameter
+  ``i``'s shard padded to ``ceil(rows / world)`` rows, and each stored DTensor's
+  local tensor is a view into its slot (Note [Bound storage]). The pad stays
+  zero: optimizers and ``state_dict`` only see the unpadded views.
+* Forward: ``flat.to(param_dtype)`` -> one ``all_gather_into_tensor`` -> one
+  ``split_with_sizes_copy`` of the ``(world, numel)`` result into each
+  parameter -> one ``view`` (+ ``narrow`` for uneven rows) per parameter. About
+  ``5 + n`` ops per bucket, whatever the padding, and the same ops on every rank.
+* Backward: one ``_chunk_cat`` packs the gradients (padding included) into the
+  reduce-scatter input in ``reduce_dtype``, one ``reduce_scatter_tensor``
+  (sum, then ``/ world``); each gradient is a view into the result, wrapped
+  as a DTensor like its parameter.
 
 The gather runs at the first access to any of the bucket's parameters inside the
 bucket root's ``forward`` and is reused by the rest of that call. The scope is
 opened *inside* ``forward`` (below any checkpoint wrapper), so a checkpointed
 block issues the same ops in forward and in its recompute, which SAC's per-op
 replay requires; an access outside the root's ``forward`` falls back to the
-per-parameter gather. The flat buffer, the all-gather and its views carry the
-bucket's tag (FQN = the root module's), so the checkpoint policy saves the
-all-gather output for zero2 and recomputes the copy-outs; each copied-out
-parameter carries its own parameter's tag, which the zero3 hooks use to
-re-gather the bucket (once per backward) and take that parameter from it.
+per-parameter gather. The all-gather input and output carry the bucket's tag
+(FQN = the root module's), so the checkpoint policy saves the all-gather output
+for zero2 and recomputes the copy-outs; each copied-out parameter carries its
+own parameter's tag, which the zero3 hooks use to re-gather the bucket (once per
+backward) and take that parameter from it.
+
+Note [Bound storage]
+--------------------
+"Bound" means every stored parameter's ``_local_tensor`` is still the view
+``bind`` made. ``parametrize`` binds; the bucket root's ``_apply`` (``to_empty``,
+``to``) and ``load_state_dict`` rebind, since they may replace local tensors. A
+bucket found unbound at gather time (a parameter replaced some other way) packs
+the shards with ``cat`` instead: slower, same result. Rebinding never happens
+during a gather, so a checkpoint region's forward and recompute see the same state.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from ._tag import FSDPTag, FSDPTaggedTensor
 
@@ -42,6 +63,7 @@ class _Slot:
     rows: int  # global dim-0 size
     padded_rows: int  # ceil(rows / world): every rank's chunk, padded
     row_numel: int  # elements per row
+    rest: tuple[int, ...]  # dims after 0
     tag: FSDPTag
 
     @property
@@ -50,7 +72,7 @@ class _Slot:
 
 
 class Bucket:
-    """The parameters of one bucket root; see Note [Buckets]."""
+    """The parameters of one bucket root that share a dtype; see Note [Buckets]."""
 
     def __init__(self, name: str, tag: FSDPTag, entries: list, dp_mesh, mp) -> None:
         self.name, self.tag = name, tag
@@ -62,24 +84,53 @@ class Bucket:
         self.slots: list[_Slot] = []
         offset = 0
         for _, _, access in entries:
-            rows, rest = access.shape[0], math.prod(access.shape[1:])
-            slot = _Slot(offset, rows, -(-rows // self.world), rest, access.tag)
+            rows, rest = access.shape[0], tuple(access.shape[1:])
+            slot = _Slot(offset, rows, -(-rows // self.world), math.prod(rest), rest, access.tag)
             self.slots.append(slot)
             offset += slot.numel
         self.numel = offset
+        self.split_sizes = [slot.numel for slot in self.slots]
+        self.flat: torch.Tensor | None = None  # bound storage (Note [Bound storage])
+        self.locals: tuple[torch.Tensor, ...] = ()
         self.scopes: list[dict] = []  # one per open bucket-root forward
 
-    def scoped(self, fn):
-        """``fn`` run inside a fresh gather scope of this bucket."""
+    # ------------------------------------------------------------ storage
 
-        def run(*args, **kwargs):
-            self.scopes.append({})
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.scopes.pop()
+    def bind(self, params: list[DTensor] | None = None) -> None:
+        """Move the shards of ``params`` (default: the stored ones) into one fresh flat
+        buffer and point each parameter's local tensor at its slot."""
+        if params is None:
+            params = [module._parameters[name] for module, name, _ in self.entries]
+        shards = [p._local_tensor for p in params]
+        if len({(s.dtype, s.device) for s in shards}) != 1:
+            self.flat, self.locals = None, ()  # mixed after a user's .to(): stay unbound
+            return
+        with torch.no_grad():
+            flat = shards[0].new_zeros(self.numel)
+            views = []
+            for slot, shard in zip(self.slots, shards):
+                view = flat.narrow(0, slot.offset, shard.numel()).view(shard.shape)
+                view.copy_(shard)
+                views.append(view)
+        for p, view in zip(params, views):
+            p._local_tensor = view
+        self.flat, self.locals = flat, tuple(views)
 
-        return run
+    def _is_bound(self, params) -> bool:
+        return self.flat is not None and all(p._local_tensor is v for p, v in zip(params, self.locals))
+
+    def _packed(self, shards: list[torch.Tensor], tagged: bool) -> torch.Tensor:
+        """The flat per-rank buffer built from ``shards`` (the unbound path)."""
+        pieces = []
+        for slot, shard in zip(self.slots, shards):
+            x = FSDPTaggedTensor(shard, self.tag) if tagged else shard
+            x = x.reshape(-1)
+            if x.numel() < slot.numel:  # uneven shards: pad every rank's chunk alike
+                x = F.pad(x, (0, slot.numel - x.numel()))
+            pieces.append(x)
+        return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+    # ------------------------------------------------------------ gathering
 
     def lookup(self, access, tagged: bool) -> torch.Tensor | None:
         """The gathered parameter for ``access`` in the current scope (gathering the
@@ -92,54 +143,87 @@ class Bucket:
         return scope[access]
 
     def gather(self, *, tagged: bool) -> dict:
-        shards = [module._parameters[name].to_local() for module, name, _ in self.entries]
-        outs = _GatherBucket.apply(self, tagged, *shards)
+        params = [module._parameters[name] for module, name, _ in self.entries]
+        outs = _GatherBucket.apply(self, tagged, *params)
         return {access: out for (_, _, access), out in zip(self.entries, outs)}
 
 
+@contextlib.contextmanager
+def _open_scopes(buckets):
+    for b in buckets:
+        b.scopes.append({})
+    try:
+        yield
+    finally:
+        for b in buckets:
+            b.scopes.pop()
+
+
+def scoped(buckets: tuple[Bucket, ...], fn):
+    """``fn`` run inside a fresh gather scope of each of ``buckets``."""
+
+    def run(*args, **kwargs):
+        with _open_scopes(buckets):
+            return fn(*args, **kwargs)
+
+    return run
+
+
 class _GatherBucket(torch.autograd.Function):
+    """Gather a bucket (Note [Buckets]); the inputs are the stored DTensor parameters."""
+
     @staticmethod
-    def forward(ctx, bucket: Bucket, tagged: bool, *shards: torch.Tensor):
+    def forward(ctx, bucket: Bucket, tagged: bool, *params: DTensor):
         ctx.bucket = bucket
-        ctx.shard_meta = [(s.shape, s.dtype) for s in shards]
-        pieces = []
-        for slot, shard in zip(bucket.slots, shards):
-            x = FSDPTaggedTensor(shard.detach(), bucket.tag) if tagged else shard.detach()
-            if bucket.param_dtype is not None:
-                x = x.to(bucket.param_dtype)
-            x = x.reshape(-1)
-            if x.numel() < slot.numel:  # uneven shards: pad every rank's chunk alike
-                x = F.pad(x, (0, slot.numel - x.numel()))
-            pieces.append(x)
-        flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        ctx.specs = [p._spec for p in params]
+        ctx.local_shapes = [p._local_tensor.shape for p in params]
+        if bucket._is_bound(params):
+            flat = FSDPTaggedTensor(bucket.flat, bucket.tag) if tagged else bucket.flat
+        else:
+            flat = bucket._packed([p._local_tensor for p in params], tagged)
+        if bucket.param_dtype is not None and bucket.param_dtype != flat.dtype:
+            flat = flat.to(bucket.param_dtype)
         gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(flat, bucket.world, bucket.group_name))
-        per_rank = gathered.view(bucket.world, bucket.numel)
+        if len(bucket.slots) > 1:
+            pieces = torch.split_with_sizes_copy(
+                gathered.view(bucket.world, bucket.numel), bucket.split_sizes, dim=1)
+        else:
+            pieces = [gathered]  # already laid out rank-major like the parameter
         outs = []
-        for slot, (module, name, access) in zip(bucket.slots, bucket.entries):
-            p = per_rank.narrow(1, slot.offset, slot.numel)
-            p = p.reshape(bucket.world * slot.padded_rows, *access.shape[1:])  # the copy-out
+        for slot, p in zip(bucket.slots, pieces):
+            if tagged:
+                p = FSDPTaggedTensor(p._elem, slot.tag)
+            p = p.view(bucket.world * slot.padded_rows, *slot.rest)
             if p.shape[0] != slot.rows:
                 p = p.narrow(0, 0, slot.rows)
-            outs.append(FSDPTaggedTensor(p._elem, slot.tag) if tagged else p)
+            outs.append(p)
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads):
         bucket = ctx.bucket
-        pieces = []
-        for slot, grad, (shape, dtype) in zip(bucket.slots, grads, ctx.shard_meta):
-            if grad is None:  # a parameter of the bucket that this forward did not use
-                grad = torch.zeros(slot.rows * slot.row_numel, dtype=bucket.reduce_dtype or dtype)
-            g = grad.to(bucket.reduce_dtype or grad.dtype).reshape(-1)
-            pad = bucket.world * slot.numel - g.numel()
-            if pad:
-                g = F.pad(g, (0, pad))
-            pieces.append(g.view(bucket.world, slot.numel))
-        flat = torch.cat(pieces, dim=1).reshape(-1) if len(pieces) > 1 else pieces[0].reshape(-1)
-        local = c10d.wait_tensor(c10d.reduce_scatter_tensor(flat, "sum", bucket.world, bucket.group_name))
-        local = local / bucket.world
+        gathered_dtype = bucket.param_dtype or ctx.specs[0].tensor_meta.dtype
+        grads = [  # a parameter of the bucket that this forward did not use gets zeros
+            g if g is not None else torch.zeros(slot.rows, *slot.rest, dtype=gathered_dtype)
+            for g, slot in zip(grads, bucket.slots)
+        ]
+        packed = grads[0].new_empty(bucket.world, bucket.numel, dtype=bucket.reduce_dtype or grads[0].dtype)
+        torch._chunk_cat(grads, dim=0, num_chunks=bucket.world, out=packed)
+        local = c10d.wait_tensor(
+            c10d.reduce_scatter_tensor(packed.view(-1), "sum", bucket.world, bucket.group_name))
+        local.div_(bucket.world)
         out = []
-        for slot, (shape, dtype) in zip(bucket.slots, ctx.shard_meta):
-            g = local.narrow(0, slot.offset, slot.numel)[: math.prod(shape)]
-            out.append(g.view(shape).to(dtype))
+        for slot, spec, shape in zip(bucket.slots, ctx.specs, ctx.local_shapes):
+            g = local.as_strided(shape, _contiguous_stride(shape), slot.offset)
+            if g.dtype != spec.tensor_meta.dtype:
+                g = g.to(spec.tensor_meta.dtype)
+            out.append(DTensor(g, spec, requires_grad=False))
         return (None, None, *out)
+
+
+def _contiguous_stride(shape) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(stride))

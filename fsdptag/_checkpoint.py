@@ -45,6 +45,7 @@ from torch.utils.checkpoint import (
     checkpoint,
 )
 
+from ._bucket import scoped
 from ._tag import first_tag, get_fsdp_tag
 
 aten = torch.ops.aten
@@ -255,9 +256,9 @@ def _checkpointed_class(cls: type) -> type:
 
         def forward(self, *args, **kwargs):
             fn = super(ac_cls, self).forward
-            bucket = self.__dict__.get("_fsdptag_bucket")
-            if bucket is not None:  # the gather scope must be inside the region: Note [Buckets]
-                fn = bucket.scoped(fn)
+            buckets = self.__dict__.get("_fsdptag_buckets")
+            if buckets is not None:  # the gather scope must be inside the region: Note [Buckets]
+                fn = scoped(buckets, fn)
             return checkpoint(
                 fn, *args, use_reentrant=False, context_fn=self._fsdptag_ac_context_fn, **kwargs,
             )

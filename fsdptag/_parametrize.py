@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from ._bucket import Bucket
+from ._bucket import Bucket, _contiguous_stride, scoped
 from ._tag import FSDPTag, tag_shard
 
 __all__ = [
@@ -197,14 +197,6 @@ class _ParamAccess:
         )
 
 
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for size in reversed(shape):
-        stride.append(acc)
-        acc *= max(size, 1)
-    return tuple(reversed(stride))
-
-
 # ---------------------------------------------------------------- entry point
 
 
@@ -252,11 +244,13 @@ def parametrize(
         for name, param in zip(names, sharded):
             module.register_parameter(name, param)
         _swap_class(module, names, accesses)
-    for root, b in plan.buckets:
-        for _, _, access in b.entries:
-            access.bucket = b
-        root.__dict__["_fsdptag_bucket"] = b
+    for root, buckets in plan.buckets:
+        for b in buckets:
+            for _, _, access in b.entries:
+                access.bucket = b
+        root.__dict__["_fsdptag_buckets"] = buckets
         root.__class__ = _bucket_scope_class(type(root))
+        root.register_load_state_dict_post_hook(_rebind_after_load)
     Zero3SavedTensorHooks.install(model, plan.accesses)
     if plan.mp.param_dtype is not None and plan.mp.cast_forward_inputs:
         model.register_forward_pre_hook(_input_caster(plan.mp.param_dtype), with_kwargs=True)
@@ -285,7 +279,7 @@ class _Plan:
     mp: MixedPrecisionPolicy
     modules: list  # (module, param names, accesses, new sharded parameters)
     accesses: dict  # fqn -> (module, name, _ParamAccess)
-    buckets: list  # (root module, Bucket)
+    buckets: list  # (root module, tuple of Buckets: one per parameter dtype)
 
 
 # "param" | "module" | fn(module_fqn, module) -> bool marking bucket roots
@@ -356,7 +350,7 @@ def _plan(model, mesh, mode, reshard_after_forward, mp_policy, shard_dim, bucket
         reshard = reshard_of(owner_fqn, owner) and mode is not DataParallelMode.REPLICATE
         access, sharded = _shard_param(param, FSDPTag(fqn, reshard), dp_mesh, dp_placements, mp)
         if root is not None:
-            bucket_entries.setdefault(root, []).append((module, name, access))
+            bucket_entries.setdefault(root, []).append((module, name, access, sharded))
         entry = modules.setdefault(id(module), (module, [], [], []))
         entry[1].append(name)
         entry[2].append(access)
@@ -364,8 +358,19 @@ def _plan(model, mesh, mode, reshard_after_forward, mp_policy, shard_dim, bucket
         accesses[fqn] = (module, name, access)
     buckets = []
     for root, entries in bucket_entries.items():
-        tag = FSDPTag(root or "<root>", entries[0][2].tag.reshard_after_forward)
-        buckets.append((roots[root], Bucket(tag.fqn, tag, entries, dp_mesh, mp)))
+        by_dtype: dict[torch.dtype, list] = {}
+        for entry in entries:
+            by_dtype.setdefault(entry[3].dtype, []).append(entry)
+        group = []
+        for dtype, members in by_dtype.items():
+            name = root or "<root>"
+            if len(by_dtype) > 1:
+                name += f"[{str(dtype).removeprefix('torch.')}]"
+            b = Bucket(name, FSDPTag(name, members[0][2].tag.reshard_after_forward),
+                       [m[:3] for m in members], dp_mesh, mp)
+            b.bind([m[3] for m in members])  # the new parameters only: the model is untouched
+            group.append(b)
+        buckets.append((roots[root], tuple(group)))
     return _Plan(mp, list(modules.values()), accesses, buckets)
 
 
@@ -553,16 +558,28 @@ _SCOPE_CLASS_CACHE: dict[type, type] = {}
 
 
 def _bucket_scope_class(cls: type) -> type:
-    """A subclass whose ``forward`` runs in a fresh gather scope of the module's bucket."""
+    """A subclass whose ``forward`` runs in a fresh gather scope of the module's buckets
+    and whose ``_apply`` (``to_empty``, ``to``) rebinds their storage (Note [Bound storage])."""
     scope_cls = _SCOPE_CLASS_CACHE.get(cls)
     if scope_cls is None:
 
         def forward(self, *args, **kwargs):
-            return self._fsdptag_bucket.scoped(super(scope_cls, self).forward)(*args, **kwargs)
+            return scoped(self._fsdptag_buckets, super(scope_cls, self).forward)(*args, **kwargs)
 
-        scope_cls = type(f"Bucketed{cls.__name__}", (cls,), {"forward": forward})
+        def _apply(self, fn, *args, **kwargs):
+            out = super(scope_cls, self)._apply(fn, *args, **kwargs)
+            for b in self._fsdptag_buckets:
+                b.bind()
+            return out
+
+        scope_cls = type(f"Bucketed{cls.__name__}", (cls,), {"forward": forward, "_apply": _apply})
         _SCOPE_CLASS_CACHE[cls] = scope_cls
     return scope_cls
+
+
+def _rebind_after_load(module: nn.Module, incompatible_keys) -> None:
+    for b in module._fsdptag_buckets:  # load_state_dict(assign=True) replaces parameters
+        b.bind()
 
 
 def _swap_class(module: nn.Module, names: list[str], accesses: list[_ParamAccess]) -> None:

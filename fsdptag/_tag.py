@@ -15,6 +15,7 @@ op (as the dispatcher sees)  why it keeps the tag
 ``new_zeros``, ``cat``,      all-gather, so these must keep the tag or ranks take
 ``clone``                    different save/recompute decisions and deadlock
 ``all_gather_into_tensor``   the FSDP all-gather itself
+``split_with_sizes_copy``    copies a bucket's gathered parameters out
 ``_wrap_tensor_autograd``    wraps the gather output in an AsyncCollectiveTensor;
                              we put the tag *inside* it (ACT(tagged)) so that ...
 ``wait_tensor``              ... the later wait, which sees ACT's inner tensor,
@@ -194,6 +195,8 @@ def _keeps_tag(*ops: Any) -> Callable[[_Rule], _Rule]:
     aten.new_zeros.default,
     aten.cat.default,
     aten.clone.default,
+    # a bucket's copy-out (Note [Buckets] in _bucket.py)
+    aten.split_with_sizes_copy.default,
 )
 def _rewrap_new(func, tag, args, kwargs, out):
     return _wrap(out, tag)

@@ -44,6 +44,7 @@ aten.select.int
 aten.slice.Tensor
 aten.split.Tensor
 aten.split_with_sizes.default
+aten.split_with_sizes_copy.default
 aten.squeeze.dim
 aten.t.default
 aten.transpose.int
