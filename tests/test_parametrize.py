@@ -14,8 +14,10 @@ import torch.nn as nn
 from expecttest import assert_expected_inline
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdptag
+from fsdptag._bucket import _open_scopes
 from fsdptag.debug import CollectiveCounter, LiveStorageTracker
 
 from . import models
@@ -202,6 +204,106 @@ def _meta_init(mesh):
             "grad": type(model.head._parameters["weight"].grad).__name__}
 
 
+class _OpLog(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _bucket_roots(model):
+    return [m for m in model.modules() if "_fsdptag_buckets" in m.__dict__]
+
+
+def _is_bound(model) -> bool:
+    """Every bucketed parameter's shard is a view into its bucket's flat buffer."""
+    return all(
+        b.flat is not None and all(
+            m._parameters[n]._local_tensor.untyped_storage().data_ptr()
+            == b.flat.untyped_storage().data_ptr() for m, n, _ in b.entries)
+        for root in _bucket_roots(model) for b in root._fsdptag_buckets)
+
+
+def _bucketed_equals_per_param(model) -> bool:
+    """A bucket's gather gives every parameter exactly its per-parameter gather."""
+    same = True
+    for root in _bucket_roots(model):
+        with _open_scopes(root._fsdptag_buckets):
+            bucketed = [(m, n, getattr(m, n)) for b in root._fsdptag_buckets for m, n, _ in b.entries]
+        for m, n, t in bucketed:
+            same &= torch.equal(t.detach(), getattr(m, n).detach())
+    return same
+
+
+def _bucket_storage(mesh):
+    """Note [Bound storage]: binding, rebinding and the unbound fallback."""
+    out = {}
+    bf16 = fsdptag.MixedPrecisionPolicy(torch.bfloat16)
+    model = fsdptag.parametrize(models.make_net(), mesh, mode="fully_shard", mp_policy=bf16,
+                                bucket=_block_buckets)
+    out["bound"] = _is_bound(model)
+    out["equal"] = _bucketed_equals_per_param(model)
+    log = _OpLog()
+    with _open_scopes(model.layers[0]._fsdptag_buckets), log:
+        model.layers[0].fc1.weight
+    out["ops"] = log.ops
+
+    with torch.device("meta"):
+        meta = models.Net()
+    fsdptag.parametrize(meta, mesh, mode="fully_shard", bucket=_block_buckets)
+    meta.to_empty(device="cpu")
+    with fsdptag.disable_active_parametrization():
+        for m in meta.modules():
+            if hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+    out["to_empty"] = (_is_bound(meta), _bucketed_equals_per_param(meta))
+
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(sd, assign=True)
+    out["load assign"] = (_is_bound(model), _bucketed_equals_per_param(model))
+
+    # A parameter replaced behind fsdptag's back: the bucket packs with cat instead.
+    fc1 = model.layers[0].fc1
+    fc1._parameters["weight"] = nn.Parameter(fc1._parameters["weight"].detach() * 2)
+    tokens, targets = models.batch(0, 2)
+    ref = models.make_net()
+    with torch.no_grad():
+        ref.layers[0].fc1.weight.mul_(2)
+    fsdptag.parametrize(ref, mesh, mode="fully_shard", mp_policy=bf16)
+    for m in (model, ref):
+        models.loss_fn(m(tokens[mesh.get_local_rank()]), targets[mesh.get_local_rank()]).backward()
+    out["replaced"] = (_is_bound(model), _bucketed_equals_per_param(model),
+                       torch.equal(fc1._parameters["weight"].grad.full_tensor(),
+                                   ref.layers[0].fc1._parameters["weight"].grad.full_tensor()))
+    return out
+
+
+def _mixed_dtype_bucket(mesh, dp_rank):
+    """A bucket root with fp32 and bf16 parameters: one bucket (one gather) per dtype."""
+    net = models.make_net()
+    net.layers[0].norm.to(torch.bfloat16)
+    per_param, bucketed = models.clone(net), models.clone(net)
+    mp = fsdptag.MixedPrecisionPolicy(torch.bfloat16, torch.float32)
+    fsdptag.parametrize(per_param, mesh, mode="fully_shard", mp_policy=mp)
+    fsdptag.parametrize(bucketed, mesh, mode="fully_shard", mp_policy=mp, bucket=_block_buckets)
+    with CollectiveCounter(mesh) as cc:
+        tokens, targets = models.batch(0, 2)
+        models.loss_fn(bucketed(tokens[dp_rank]), targets[dp_rank]).backward()
+    bucketed.zero_grad()
+    models.train_parallel(per_param, STEPS, 2, dp_rank)
+    models.train_parallel(bucketed, STEPS, 2, dp_rank)
+    a, b = models.full_params(bucketed), models.full_params(per_param)
+    return {
+        "buckets": [b.name for b in bucketed.layers[0]._fsdptag_buckets],
+        "dtypes": sorted({str(p.dtype) for p in a.values()}),
+        "gathers": cc.count("forward", "all_gather"),
+        "max diff": max((a[k].float() - b[k].float()).abs().max().item() for k in a),
+    }
+
+
 def _bad_input(mesh, mesh2d):
     """Each bad call must raise a clear error and leave the model as it was."""
     out = {}
@@ -260,6 +362,8 @@ def worker_2ranks():
     cases["gather once"] = functools.partial(_gather_once, mesh)
     cases["per-module tags"] = functools.partial(_per_module_tags, mesh)
     cases["meta init"] = functools.partial(_meta_init, mesh)
+    cases["bucket storage"] = functools.partial(_bucket_storage, mesh)
+    cases["mixed dtype bucket"] = functools.partial(_mixed_dtype_bucket, mesh, r)
     cases["bad input"] = functools.partial(_bad_input, mesh, mesh2d)
     return run_cases(cases)
 
@@ -369,6 +473,35 @@ def test_per_module_reshard_recorded_in_tags(two_ranks):
 def test_meta_init(two_ranks):
     r = result(two_ranks, "meta init")
     assert r == {"stored": "DTensor", "finite": True, "grad": "DTensor"}
+
+
+def test_bucket_storage(two_ranks):
+    r = result(two_ranks, "bucket storage")
+    assert r["bound"] and r["equal"]
+    # One bucket gather (6 parameters, bf16): cast, all-gather, wait, one copy-out, a view each.
+    assert_expected_inline("\n".join(r["ops"]), """\
+aten._to_copy.default
+_c10d_functional.all_gather_into_tensor.default
+_c10d_functional.wait_tensor.default
+aten.view.default
+aten.split_with_sizes_copy.default
+aten.view.default
+aten.view.default
+aten.view.default
+aten.view.default
+aten.view.default
+aten.view.default""")
+    assert r["to_empty"] == (True, True)  # _apply rebinds
+    assert r["load assign"] == (True, True)  # load_state_dict's post-hook rebinds
+    assert r["replaced"] == (False, True, True)  # unbound: cat-packed, same values and grads
+
+
+def test_mixed_dtype_bucket(two_ranks):
+    r = result(two_ranks, "mixed dtype bucket")
+    assert r["buckets"] == ["layers.0[bfloat16]", "layers.0[float32]"]
+    assert r["dtypes"] == ["torch.bfloat16", "torch.float32"]
+    assert r["gathers"] == 4  # root, layers.0 x2, layers.1
+    assert r["max diff"] < 1e-6, r
 
 
 def test_bad_input(two_ranks):
