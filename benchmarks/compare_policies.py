@@ -15,12 +15,15 @@ FSDP) and with TP (2 dp x 2 tp, sequence parallel), each AC mode asked for:
 Per variant: backward all-gathers on the data-parallel mesh, bytes all-gathered per
 step (FSDP), bytes forward keeps for backward, peak bytes of a step (tracked
 storages, parameters included), and the median step time over --steps steps after
-a warm-up step, with its ratio to no-fix. bf16 params, fp32 reduction.
+a warm-up step, with its ratio to no-fix. The variants of one setting are built side
+by side and their timed steps alternate, so slow drift of the machine cancels out.
+bf16 params, fp32 reduction.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -53,6 +56,7 @@ class Record:
     peak_bytes: int
     step_time_s: float
     time_vs_no_fix: float = float("nan")
+    time_vs_fsdp2: float = float("nan")
 
 
 def _ac_args(ac: str):
@@ -95,39 +99,46 @@ def _step(model, optim, tokens):
     optim.zero_grad(set_to_none=True)
 
 
-def _measure(variant, cfg, mesh, tp, reshard, ac, steps, tokens, bucket) -> Record:
-    model = _build(variant, cfg, mesh, tp, reshard, ac, bucket)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    untagged = disable_tagging() if variant == "untagged" else None
-    if untagged is not None:
-        untagged.__enter__()
-    try:
-        _step(model, optim, tokens)  # warm-up
-        times = []
-        for _ in range(steps):
-            dist.barrier()
-            t0 = time.perf_counter()
-            _step(model, optim, tokens)
-            times.append(time.perf_counter() - t0)
-        # One instrumented step: collectives, bytes kept for backward, peak.
-        dp_names = ("dp",)
-        with CollectiveCounter(mesh) as cc, LiveStorageTracker(track_inputs=True, track_peak=True) as mem:
-            loss = F.cross_entropy(model(tokens[:, :-1]).float().flatten(0, 1), tokens[:, 1:].flatten())
-            at_forward_end = mem.snapshot()
-            loss.backward()
-            del loss
-            saved = sum(LiveStorageTracker.kept(at_forward_end, mem.snapshot()).values())
-            optim.zero_grad(set_to_none=True)
-    finally:
-        if untagged is not None:
-            untagged.__exit__(None, None, None)
-    fsdp = [e for e in cc.events if e.kind == "all_gather" and e.group in dp_names]
+def _untagged_if(variant):
+    return disable_tagging() if variant == "untagged" else contextlib.nullcontext()
+
+
+def _measure_group(variants, cfg, mesh, tp, reshard, ac, steps, tokens, bucket) -> list[Record]:
+    """All variants of one setting, built side by side; timed steps alternate between
+    them (round robin) so that drift in the machine's speed hits every variant alike."""
+    models = {v: _build(v, cfg, mesh, tp, reshard, ac, bucket) for v in variants}
+    optims = {v: torch.optim.AdamW(m.parameters(), lr=1e-3) for v, m in models.items()}
+    times = {v: [] for v in variants}
+    for v in variants:
+        with _untagged_if(v):
+            _step(models[v], optims[v], tokens)  # warm-up
+    for _ in range(steps):
+        for v in variants:
+            with _untagged_if(v):
+                dist.barrier()
+                t0 = time.perf_counter()
+                _step(models[v], optims[v], tokens)
+                times[v].append(time.perf_counter() - t0)
+    return [_instrumented(v, models[v], optims[v], mesh, tp, reshard, ac, tokens,
+                          statistics.median(times[v])) for v in variants]
+
+
+def _instrumented(variant, model, optim, mesh, tp, reshard, ac, tokens, step_time) -> Record:
+    """One step under the collective counter and the storage tracker."""
+    with _untagged_if(variant), CollectiveCounter(mesh) as cc, \
+            LiveStorageTracker(track_inputs=True, track_peak=True) as mem:
+        loss = F.cross_entropy(model(tokens[:, :-1]).float().flatten(0, 1), tokens[:, 1:].flatten())
+        at_forward_end = mem.snapshot()
+        loss.backward()
+        del loss
+        saved = sum(LiveStorageTracker.kept(at_forward_end, mem.snapshot()).values())
+        optim.zero_grad(set_to_none=True)
+    fsdp = [e for e in cc.events if e.kind == "all_gather" and e.group == "dp"]
     return Record(
         variant=variant, reshard_after_forward=reshard, tp=tp, ac=ac,
         bwd_fsdp_all_gathers=sum(1 for e in fsdp if e.phase == "backward"),
         fsdp_all_gather_bytes=sum(e.nbytes for e in fsdp),
-        saved_bytes=saved, peak_bytes=mem.peak_bytes,
-        step_time_s=statistics.median(times),
+        saved_bytes=saved, peak_bytes=mem.peak_bytes, step_time_s=step_time,
     )
 
 
@@ -142,24 +153,25 @@ def _worker(cfg: LlamaConfig, acs, steps, batch, seq_len, bucket, tps, variants)
         tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), generator=g)
         for reshard in (False, True):
             for ac in acs:
-                group = [_measure(v, cfg, mesh, tp, reshard, ac, steps, tokens, bucket) for v in variants]
-                base = next((r.step_time_s for r in group if r.variant == "no-fix"), float("nan"))
+                group = _measure_group(variants, cfg, mesh, tp, reshard, ac, steps, tokens, bucket)
+                times = {r.variant: r.step_time_s for r in group}
                 for r in group:
-                    r.time_vs_no_fix = r.step_time_s / base
+                    r.time_vs_no_fix = r.step_time_s / times.get("no-fix", float("nan"))
+                    r.time_vs_fsdp2 = r.step_time_s / times.get("fsdp2", float("nan"))
                 records += group
     return [asdict(r) for r in records]
 
 
 def _table(records) -> str:
     head = ("| zero | tp | ac | variant | bwd FSDP all-gathers | FSDP all-gathered KiB/step | "
-            "kept for bwd KiB | peak KiB | step ms | vs no-fix |")
+            "kept for bwd KiB | peak KiB | step ms | vs no-fix | vs fsdp2 |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in records:
         lines.append(
             f"| {3 if r['reshard_after_forward'] else 2} | {r['tp']} | {r['ac']} | {r['variant']} | "
             f"{r['bwd_fsdp_all_gathers']} | {r['fsdp_all_gather_bytes'] / 1024:.0f} | "
             f"{r['saved_bytes'] / 1024:.0f} | {r['peak_bytes'] / 1024:.0f} | "
-            f"{r['step_time_s'] * 1e3:.0f} | {r['time_vs_no_fix']:.2f} |"
+            f"{r['step_time_s'] * 1e3:.1f} | {r['time_vs_no_fix']:.2f} | {r['time_vs_fsdp2']:.2f} |"
         )
     return "\n".join(lines)
 
