@@ -225,6 +225,8 @@ def parametrize(
     module), or ``fn(module_fqn, module) -> bool`` marking bucket roots (e.g. each
     transformer block); applies to ``fully_shard`` parameters without TP, others
     gather per parameter. A bucket takes its root module's reshard decision.
+    Tied parameters (one tensor registered in several modules) stay one stored
+    parameter; a bucket whose root's ``forward`` covers every use gathers it once.
 
     ``mesh`` is either the data-parallel mesh (1 dim for ``"replicate"`` /
     ``"fully_shard"``, 2 for ``"hybrid_shard"``) or a mesh that also holds the TP
@@ -322,16 +324,19 @@ def _plan(model, mesh, mode, reshard_after_forward, mp_policy, shard_dim, bucket
 
     modules: dict[int, tuple] = {}
     accesses: dict[str, tuple] = {}
-    seen: dict[int, str] = {}
+    seen: dict[int, str] = {}  # id(param) -> its first FQN
+    sharded_of: dict[str, nn.Parameter] = {}
     roots = {fqn: m for fqn, m in model.named_modules() if is_root(fqn, m)}
     bucket_entries: dict[str, list] = {}
     for mfqn, module, name, param in params:
         fqn = f"{mfqn}.{name}" if mfqn else name
-        if id(param) in seen:
-            raise ValueError(
-                f"parameter {fqn!r} is the same tensor as {seen[id(param)]!r} (tied weights); "
-                "fsdptag does not support shared parameters yet: untie them"
-            )
+        if id(param) in seen:  # tied weights: one stored parameter, one access, one tag
+            first = seen[id(param)]
+            entry = modules.setdefault(id(module), (module, [], [], []))
+            entry[1].append(name)
+            entry[2].append(accesses[first][2])
+            entry[3].append(sharded_of[first])
+            continue
         seen[id(param)] = fqn
         if mode is not DataParallelMode.REPLICATE and param.dim() <= shard_dim:
             raise ValueError(
@@ -356,6 +361,7 @@ def _plan(model, mesh, mode, reshard_after_forward, mp_policy, shard_dim, bucket
         entry[2].append(access)
         entry[3].append(sharded)
         accesses[fqn] = (module, name, access)
+        sharded_of[fqn] = sharded
     buckets = []
     for root, entries in bucket_entries.items():
         by_dtype: dict[torch.dtype, list] = {}

@@ -304,6 +304,36 @@ def _mixed_dtype_bucket(mesh, dp_rank):
     }
 
 
+def _make_tied() -> nn.Module:
+    net = models.make_net()
+    net.head.weight = net.tok.weight  # the output projection shares the embedding table
+    return net
+
+
+def _tied(mesh, dp_rank):
+    """Tied weights: one stored parameter; a bucket covering both uses gathers it once."""
+    out = {}
+    for bucket in ("param", "block"):
+        for reshard in (False, True):
+            ref = _make_tied()
+            model = fsdptag.parametrize(models.clone(ref), mesh, mode="fully_shard",
+                                        reshard_after_forward=reshard, bucket=BUCKETS[bucket])
+            tokens, targets = models.batch(0, 2)
+            with CollectiveCounter(mesh) as cc:
+                models.loss_fn(model(tokens[dp_rank]), targets[dp_rank]).backward()
+            model.zero_grad()
+            ref_losses = models.train_reference(ref, STEPS, 2, dp_rank)
+            losses, _ = models.train_parallel(model, STEPS, 2, dp_rank)
+            out[f"{bucket} zero{3 if reshard else 2}"] = {
+                "shared": model.head._parameters["weight"] is model.tok._parameters["weight"],
+                "params": len(list(model.parameters())),
+                "gathers": (cc.count("forward", "all_gather"), cc.count("backward", "all_gather")),
+                "loss": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
+                "diff": models.max_rel_diff(models.full_params(model), models.full_params(ref)),
+            }
+    return out
+
+
 def _bad_input(mesh, mesh2d):
     """Each bad call must raise a clear error and leave the model as it was."""
     out = {}
@@ -363,6 +393,7 @@ def worker_2ranks():
     cases["per-module tags"] = functools.partial(_per_module_tags, mesh)
     cases["meta init"] = functools.partial(_meta_init, mesh)
     cases["bucket storage"] = functools.partial(_bucket_storage, mesh)
+    cases["tied"] = functools.partial(_tied, mesh, r)
     cases["mixed dtype bucket"] = functools.partial(_mixed_dtype_bucket, mesh, r)
     cases["bad input"] = functools.partial(_bad_input, mesh, mesh2d)
     return run_cases(cases)
@@ -502,6 +533,19 @@ def test_mixed_dtype_bucket(two_ranks):
     assert r["dtypes"] == ["torch.bfloat16", "torch.float32"]
     assert r["gathers"] == 4  # root, layers.0 x2, layers.1
     assert r["max diff"] < 1e-6, r
+
+
+def test_tied_weights(two_ranks):
+    r = result(two_ranks, "tied")
+    for name, v in r.items():
+        assert v["shared"] and v["params"] == 15, (name, v)
+        assert v["loss"] < 1e-5 and v["diff"] < 1e-5, (name, v)
+    # Per parameter, each read gathers (the table twice: embedding and head); a bucket
+    # covering both reads (here the root's) gathers it once. zero3 re-gathers the
+    # table once for the head's backward.
+    assert {k: v["gathers"] for k, v in r.items()} == {
+        "param zero2": (16, 0), "param zero3": (16, 11),
+        "block zero2": (3, 0), "block zero3": (3, 3)}
 
 
 def test_bad_input(two_ranks):
