@@ -39,7 +39,7 @@ import fsdptag
 from fsdptag.baselines import apply_baseline_ac
 from fsdptag.debug import CollectiveCounter, LiveStorageTracker, disable_tagging
 from fsdptag.launch import spawn
-from fsdptag.models.llama import Llama, LlamaConfig, apply_tp, block_buckets
+from fsdptag.models.llama import Llama, LlamaConfig, apply_tp
 
 VARIANTS = ("tagged", "op-name", "no-fix", "fsdp2", "untagged")
 
@@ -82,7 +82,7 @@ def _build(variant, cfg, mesh, tp, reshard, ac, bucket):
         return model
     fsdptag.parametrize(model, mesh, mode="fully_shard", reshard_after_forward=reshard,
                         mp_policy=fsdptag.MixedPrecisionPolicy(torch.bfloat16, torch.float32),
-                        bucket=block_buckets if bucket == "block" else bucket)
+                        bucket=bucket)
     if variant == "tagged":
         fsdptag.apply_ac(model, mode, layer_every=every)
     else:
@@ -204,8 +204,8 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=None)
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--bucket", default="param", choices=["param", "module", "block"],
-                   help="fsdptag's gather buckets (block: one per transformer block + the root)")
+    p.add_argument("--bucket", default="blocks", choices=["blocks", "param", "module"],
+                   help="fsdptag's gather buckets (blocks: one per transformer block + the root)")
     p.add_argument("--tp", default="1,2", help="comma list of TP degrees to run (1 and/or 2)")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--world", type=int, default=4, help="ranks (TP 2 needs an even number)")

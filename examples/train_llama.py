@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fsdptag
 from fsdptag.debug import CollectiveCounter, LiveStorageTracker
-from fsdptag.models.llama import Llama, LlamaConfig, apply_tp, block_buckets
+from fsdptag.models.llama import Llama, LlamaConfig, apply_tp
 
 
 def parse_args() -> argparse.Namespace:
@@ -35,8 +35,8 @@ def parse_args() -> argparse.Namespace:
                    help="with --ac selective: full AC on every Nth block (layer-selective AC)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (sequence parallel)")
     p.add_argument("--mp", default="fp32", choices=["fp32", "bf16"])
-    p.add_argument("--bucket", default="param", choices=["param", "module", "block"],
-                   help="gather buckets: per parameter, per module, or per transformer block + root")
+    p.add_argument("--bucket", default="blocks", choices=["blocks", "param", "module"],
+                   help="gather buckets: per transformer block + root, per parameter, or per module")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
@@ -87,8 +87,7 @@ def main() -> None:
     if args.tp > 1:
         apply_tp(model, mesh["tp"])
     mp = fsdptag.MixedPrecisionPolicy(torch.bfloat16, torch.float32) if args.mp == "bf16" else None
-    buckets = {"param": "param", "module": "module", "block": block_buckets}
-    fsdptag.parametrize(model, mesh, mode=args.dp_mode, mp_policy=mp, bucket=buckets[args.bucket],
+    fsdptag.parametrize(model, mesh, mode=args.dp_mode, mp_policy=mp, bucket=args.bucket,
                         reshard_after_forward=args.reshard_after_forward == "true")
     fsdptag.apply_ac(model, args.ac, layer_every=args.ac_layer_every)
     optim = torch.optim.AdamW(model.parameters(), lr=3e-3)

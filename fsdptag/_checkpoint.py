@@ -263,7 +263,7 @@ def _checkpointed_class(cls: type) -> type:
                 fn, *args, use_reentrant=False, context_fn=self._fsdptag_ac_context_fn, **kwargs,
             )
 
-        ac_cls = type(f"Checkpointed{cls.__name__}", (cls,), {"forward": forward})
+        ac_cls = type(f"Checkpointed{cls.__name__}", (cls,), {"forward": forward, "_fsdptag_generated": True})
         _AC_CLASS_CACHE[cls] = ac_cls
     return ac_cls
 

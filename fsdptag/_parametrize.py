@@ -208,7 +208,7 @@ def parametrize(
     reshard_after_forward: ReshardPolicy = True,
     mp_policy: MixedPrecisionPolicy | None = None,
     shard_dim: int = 0,
-    bucket: BucketPolicy = "param",
+    bucket: BucketPolicy = "blocks",
 ) -> nn.Module:
     """Make ``model`` data parallel over ``mesh``, SimpleFSDP style, in place.
 
@@ -220,11 +220,16 @@ def parametrize(
     module-FQN prefixes to choose per module. Parameters already on a TP mesh
     (after ``parallelize_module``) gain the data-parallel mesh dims in front.
 
-    ``bucket`` groups parameters into one all-gather / reduce-scatter each:
-    ``"param"`` (one per parameter), ``"module"`` (the direct parameters of each
-    module), or ``fn(module_fqn, module) -> bool`` marking bucket roots (e.g. each
-    transformer block); applies to ``fully_shard`` parameters without TP, others
-    gather per parameter. A bucket takes its root module's reshard decision.
+    ``bucket`` groups parameters into one all-gather / reduce-scatter each (Note
+    [Buckets]): ``"blocks"`` (default: each child of an ``nn.ModuleList``, e.g. each
+    transformer block, is a bucket root and the model root takes the rest, like
+    torchtitan's ``fully_shard`` per block + root), ``"param"`` (one per parameter),
+    ``"module"`` (the direct parameters of each module), or ``fn(module_fqn, module)
+    -> bool`` marking bucket roots. A bucket is gathered at the first access inside
+    its root's ``forward`` and kept until that ``forward`` returns; accesses outside
+    it gather per parameter. Buckets apply to ``fully_shard`` parameters without TP;
+    others gather per parameter. Parameters of one root with different dtypes or
+    reshard decisions form separate buckets (one gather each).
     Tied parameters (one tensor registered in several modules) stay one stored
     parameter; a bucket whose root's ``forward`` covers every use gathers it once.
 
@@ -293,8 +298,9 @@ def _plan(model, mesh, mode, reshard_after_forward, mp_policy, shard_dim, bucket
     if not isinstance(model, nn.Module):
         raise TypeError(f"parametrize expects an nn.Module, got {type(model).__name__}")
     if is_parametrized(model):
+        user_cls = next(c for c in type(model).__mro__ if "_fsdptag_generated" not in c.__dict__)
         raise ValueError(
-            f"{type(model).__name__} is already parametrized by fsdptag; call "
+            f"{user_cls.__name__} is already parametrized by fsdptag; call "
             "fsdptag.parametrize once, on the root module"
         )
     mode = _parse_mode(mode)
@@ -306,7 +312,7 @@ def _plan(model, mesh, mode, reshard_after_forward, mp_policy, shard_dim, bucket
     if not isinstance(shard_dim, int) or isinstance(shard_dim, bool) or shard_dim < 0:
         raise ValueError(f"shard_dim={shard_dim!r} must be a non-negative int")
     reshard_of = _reshard_resolver(model, reshard_after_forward)
-    is_root = _bucket_roots(bucket)
+    is_root = _bucket_roots(bucket, model)
 
     params = [(mfqn, m, n, p) for mfqn, m in model.named_modules()
               for n, p in m.named_parameters(recurse=False)]
@@ -351,8 +357,7 @@ def _plan(model, mesh, mode, reshard_after_forward, mp_policy, shard_dim, bucket
         root = None
         if mode is DataParallelMode.FULLY_SHARD and not isinstance(param, DTensor):
             root = next((r for r in _ancestors(mfqn) if r in roots), None)
-        owner, owner_fqn = (roots[root], root) if root is not None else (module, mfqn)
-        reshard = reshard_of(owner_fqn, owner) and mode is not DataParallelMode.REPLICATE
+        reshard = reshard_of(mfqn, module) and mode is not DataParallelMode.REPLICATE
         access, sharded = _shard_param(param, FSDPTag(fqn, reshard), dp_mesh, dp_placements, mp)
         if root is not None:
             bucket_entries.setdefault(root, []).append((module, name, access, sharded))
@@ -364,16 +369,19 @@ def _plan(model, mesh, mode, reshard_after_forward, mp_policy, shard_dim, bucket
         sharded_of[fqn] = sharded
     buckets = []
     for root, entries in bucket_entries.items():
-        by_dtype: dict[torch.dtype, list] = {}
+        # One flat buffer needs one dtype, and one gather one reshard decision.
+        groups: dict[tuple[torch.dtype, bool], list] = {}
         for entry in entries:
-            by_dtype.setdefault(entry[3].dtype, []).append(entry)
+            groups.setdefault((entry[3].dtype, entry[2].tag.reshard_after_forward), []).append(entry)
+        dtypes, reshards = {k[0] for k in groups}, {k[1] for k in groups}
         group = []
-        for dtype, members in by_dtype.items():
+        for (dtype, reshard), members in groups.items():
             name = root or "<root>"
-            if len(by_dtype) > 1:
+            if len(dtypes) > 1:
                 name += f"[{str(dtype).removeprefix('torch.')}]"
-            b = Bucket(name, FSDPTag(name, members[0][2].tag.reshard_after_forward),
-                       [m[:3] for m in members], dp_mesh, mp)
+            if len(reshards) > 1:
+                name += f"[zero{3 if reshard else 2}]"
+            b = Bucket(name, FSDPTag(name, reshard), [m[:3] for m in members], dp_mesh, mp)
             b.bind([m[3] for m in members])  # the new parameters only: the model is untouched
             group.append(b)
         buckets.append((roots[root], tuple(group)))
@@ -386,7 +394,10 @@ def _ancestors(fqn: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(len(parts), -1, -1)]
 
 
-def _bucket_roots(bucket) -> Callable[[str, nn.Module], bool]:
+def _bucket_roots(bucket, model: nn.Module) -> Callable[[str, nn.Module], bool]:
+    if bucket == "blocks":  # torchtitan's wrapping: each repeated block, the root for the rest
+        blocks = {id(child) for m in model.modules() if isinstance(m, nn.ModuleList) for child in m}
+        return lambda fqn, module: fqn == "" or id(module) in blocks
     if bucket == "param":
         return lambda fqn, module: False
     if bucket == "module":
@@ -400,7 +411,7 @@ def _bucket_roots(bucket) -> Callable[[str, nn.Module], bool]:
 
         return checked
     raise ValueError(
-        f"bucket={bucket!r}; use 'param', 'module', or a callable (module_fqn, module) -> bool "
+        f"bucket={bucket!r}; use 'blocks', 'param', 'module', or a callable (module_fqn, module) -> bool "
         "marking bucket roots, e.g. lambda fqn, m: isinstance(m, TransformerBlock)"
     )
 
@@ -578,7 +589,7 @@ def _bucket_scope_class(cls: type) -> type:
                 b.bind()
             return out
 
-        scope_cls = type(f"Bucketed{cls.__name__}", (cls,), {"forward": forward, "_apply": _apply})
+        scope_cls = type(f"Bucketed{cls.__name__}", (cls,), {"forward": forward, "_apply": _apply, "_fsdptag_generated": True})
         _SCOPE_CLASS_CACHE[cls] = scope_cls
     return scope_cls
 
@@ -599,6 +610,7 @@ def _swap_class(module: nn.Module, names: list[str], accesses: list[_ParamAccess
             for name in names
         }
         props["_fsdptag_param_names"] = tuple(names)
+        props["_fsdptag_generated"] = True
         cls = type(f"FSDPTag{type(module).__name__}", (type(module),), props)
         _CLASS_CACHE[key] = cls
     module.__class__ = cls

@@ -21,7 +21,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 import fsdptag
 from fsdptag.baselines import apply_baseline_ac
 from fsdptag.debug import CollectiveCounter, LiveStorageTracker
-from fsdptag.models.llama import Llama, LlamaConfig, apply_tp, block_buckets
+from fsdptag.models.llama import Llama, LlamaConfig, apply_tp
 
 from .harness import launch, result, run_cases
 
@@ -177,8 +177,8 @@ class _Stack(nn.Module):
 def _errors(mesh):
     out = {}
     torch.manual_seed(0)
-    model = _Stack(_FlipOrder())
-    fsdptag.parametrize(model, mesh, mode="fully_shard", reshard_after_forward=False)
+    model = _Stack(_FlipOrder())  # per parameter: a bucket would gather both at once
+    fsdptag.parametrize(model, mesh, mode="fully_shard", reshard_after_forward=False, bucket="param")
     fsdptag.apply_ac(model, "full")
     x = torch.randn(2, 4, requires_grad=True)
     try:
@@ -239,7 +239,7 @@ def worker_2ranks():
         "ddp": functools.partial(_matrix, "DDP", mesh, "replicate", dp_rank=r),
         "fsdp": functools.partial(_matrix, "FSDP", mesh, "fully_shard", dp_rank=r),
         "fsdp buckets": functools.partial(_matrix, "FSDP/block", mesh, "fully_shard", dp_rank=r,
-                                          bucket=block_buckets),
+                                          bucket="blocks"),
         "errors": functools.partial(_errors, mesh),
         "sac saved": functools.partial(_sac_saved, mesh),
     })

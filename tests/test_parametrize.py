@@ -245,6 +245,8 @@ def _bucket_storage(mesh):
     model = fsdptag.parametrize(models.make_net(), mesh, mode="fully_shard", mp_policy=bf16,
                                 bucket=_block_buckets)
     out["bound"] = _is_bound(model)
+    default = fsdptag.parametrize(models.make_net(), mesh, mode="fully_shard")
+    out["default roots"] = [fqn for fqn, m in default.named_modules() if m in _bucket_roots(default)]
     out["equal"] = _bucketed_equals_per_param(model)
     log = _OpLog()
     with _open_scopes(model.layers[0]._fsdptag_buckets), log:
@@ -509,6 +511,7 @@ def test_meta_init(two_ranks):
 def test_bucket_storage(two_ranks):
     r = result(two_ranks, "bucket storage")
     assert r["bound"] and r["equal"]
+    assert r["default roots"] == ["", "layers.0", "layers.1"]  # bucket="blocks": ModuleList children + root
     # One bucket gather (6 parameters, bf16): cast, all-gather, wait, one copy-out, a view each.
     assert_expected_inline("\n".join(r["ops"]), """\
 aten._to_copy.default

@@ -356,7 +356,8 @@ def test_retain_graph_raises_clear_error(results, zero, ac):
 @pytest.mark.parametrize("zero", [2, 3])
 def test_eval_stores_nothing_and_gathers_once(results, zero):
     r = result(results, f"eval zero{zero}")
-    assert r == {"gathers": r["params"], "params": 16, "kept_is_output": True, "bwd": 0}
+    # One gather per bucket (bucket="blocks": the root and 2 blocks), none per parameter.
+    assert r == {"gathers": 3, "params": 16, "kept_is_output": True, "bwd": 0}
 
 
 def test_bad_input(results):
@@ -366,7 +367,7 @@ mesh device type differs: ValueError: parameters are on 'cpu' but the mesh is on
 parameters on several devices: ValueError: parameters are on several device types {'cpu': 'tok.weight', 'meta': 'head.weight'}; move the whole model to one device (model.to('cpu'), or build it all under torch.device('meta')) before parametrize
 tp mesh not a sub-mesh: ValueError: TP parameter 'layers.0.fc1.weight' lives on mesh DeviceMesh((b=2), 'cpu', stride=(1,)), which is not a sub-mesh of the device mesh the data-parallel mesh DeviceMesh((dp=2), 'cpu', stride=(1,)) comes from; build both from one init_device_mesh, e.g. mesh = init_device_mesh(..., mesh_dim_names=('dp', 'tp'))
 mp_policy of wrong type: TypeError: mp_policy must be fsdptag.MixedPrecisionPolicy, got dict
-unknown bucket: ValueError: bucket='block'; use 'param', 'module', or a callable (module_fqn, module) -> bool marking bucket roots, e.g. lambda fqn, m: isinstance(m, TransformerBlock)
+unknown bucket: ValueError: bucket='block'; use 'blocks', 'param', 'module', or a callable (module_fqn, module) -> bool marking bucket roots, e.g. lambda fqn, m: isinstance(m, TransformerBlock)
 non-floating mp dtype: ValueError: MixedPrecisionPolicy.param_dtype=torch.int8 is not a floating-point torch.dtype; use e.g. torch.bfloat16, torch.float16 or torch.float32 (or None for no cast)""")
 
 

@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["LlamaConfig", "CONFIGS", "Llama", "apply_tp", "block_buckets"]
+__all__ = ["LlamaConfig", "CONFIGS", "Llama", "apply_tp"]
 
 
 @dataclass(frozen=True)
@@ -148,11 +148,6 @@ class Llama(nn.Module):
         for layer in self.layers:
             h = layer(h, self.rope)
         return self.output(self.norm(h))
-
-
-def block_buckets(fqn: str, module: nn.Module) -> bool:
-    """``parametrize(..., bucket=block_buckets)``: one gather per block, one for the rest."""
-    return isinstance(module, TransformerBlock) or fqn == ""
 
 
 def apply_tp(model: Llama, tp_mesh: DeviceMesh) -> None:
