@@ -202,9 +202,9 @@ class _GatherBucket(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         bucket = ctx.bucket
-        gathered_dtype = bucket.param_dtype or ctx.specs[0].tensor_meta.dtype
+        some = next(g for g in grads if g is not None)
         grads = [  # a parameter of the bucket that this forward did not use gets zeros
-            g if g is not None else torch.zeros(slot.rows, *slot.rest, dtype=gathered_dtype)
+            g if g is not None else some.new_zeros(slot.rows, *slot.rest)
             for g, slot in zip(grads, bucket.slots)
         ]
         packed = grads[0].new_empty(bucket.world, bucket.numel, dtype=bucket.reduce_dtype or grads[0].dtype)
