@@ -1,13 +1,15 @@
 """The README's estimator tables: Llama 3 8B and 70B, zero2/zero3 x full/selective AC.
 
-    python benchmarks/estimate_tables.py > estimate_tables.md
+    python benchmarks/estimate_tables.py [MODEL:WORLD:TP ...] > estimate_tables.md
 
 Runs ``fsdptag.estimate`` (fake tensors, one rank) for llama3-8b at world 64 with
-TP 8 and TP 1 and llama3-70b at world 256 with TP 8, seq 8192, batch 1, bf16.
+TP 8 and TP 1 and llama3-70b at world 256 with TP 8 (or the setups given), seq 8192,
+batch 1, bf16.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 
 from fsdptag.estimate import estimate
@@ -16,7 +18,8 @@ SETUPS = [("llama3-8b", 64, 8), ("llama3-8b", 64, 1), ("llama3-70b", 256, 8)]
 
 
 def main() -> None:
-    for model, world, tp in SETUPS:
+    setups = [(m, int(w), int(t)) for m, w, t in (a.split(":") for a in sys.argv[1:])] or SETUPS
+    for model, world, tp in setups:
         t0 = time.perf_counter()
         print(f"\n#### {model}, world {world}, TP {tp} (rank 0, GiB)\n")
         print("| zero | AC | policy | peak | kept for bwd | gathered params | TP collectives | casts |")
