@@ -2,9 +2,12 @@
 
 Note [Buckets]
 --------------
-With ``parametrize(..., bucket="module" | fn)`` the parameters under a bucket
-root module (fully_shard, non-TP parameters of one dtype) are gathered together,
-in the layout FSDP2 uses for a parameter group:
+With ``parametrize(..., bucket="blocks" | "module" | fn)`` the parameters under
+a bucket root module (sharded on dim 0, of one dtype and one reshard decision)
+are gathered together, in the layout FSDP2 uses for a parameter group. A TP
+parameter takes part with its TP-local tensor (what the dp mesh shards) and is
+wrapped back into a DTensor on its TP mesh after the copy-out; with HSDP the
+gather runs over the shard dim only.
 
 * Storage: the bucket owns one flat per-rank buffer; slot ``i`` holds parameter
   ``i``'s shard padded to ``ceil(rows / world)`` rows, and each stored DTensor's
@@ -16,8 +19,8 @@ in the layout FSDP2 uses for a parameter group:
   ``5 + n`` ops per bucket, whatever the padding, and the same ops on every rank.
 * Backward: one ``_chunk_cat`` packs the gradients (padding included) into the
   reduce-scatter input in ``reduce_dtype``, one ``reduce_scatter_tensor``
-  (sum, then ``/ world``); each gradient is a view into the result, wrapped
-  as a DTensor like its parameter.
+  (sum; HSDP then one ``all_reduce`` over the replicate dim; then the average);
+  each gradient is a view into the result, wrapped as a DTensor like its parameter.
 
 The gather runs at the first access to any of the bucket's parameters inside the
 bucket root's ``forward`` and is reused by the rest of that call. The scope is
@@ -77,14 +80,19 @@ class Bucket:
     def __init__(self, name: str, tag: FSDPTag, entries: list, dp_mesh, mp) -> None:
         self.name, self.tag = name, tag
         self.entries = entries  # [(module, param name, _ParamAccess)]
-        self.world = dp_mesh.size()
-        self.group_name = dp_mesh.get_group().group_name
+        # Gather and reduce-scatter over the sharding dim; HSDP also all-reduces the
+        # reduce-scattered gradients over its replicate dim (dp mesh dim 0).
+        shard_dim = dp_mesh.ndim - 1
+        self.world = dp_mesh.size(shard_dim)
+        self.group_name = dp_mesh.get_group(shard_dim).group_name
+        self.replicas = dp_mesh.size(0) if dp_mesh.ndim == 2 else 1
+        self.replicate_group = dp_mesh.get_group(0).group_name if dp_mesh.ndim == 2 else None
         self.param_dtype = mp.param_dtype
         self.reduce_dtype = mp.reduce_dtype or mp.param_dtype
         self.slots: list[_Slot] = []
         offset = 0
-        for _, _, access in entries:
-            rows, rest = access.shape[0], tuple(access.shape[1:])
+        for _, _, access in entries:  # a TP parameter's slot holds its TP-local tensor
+            rows, rest = access.dp_shape[0], tuple(access.dp_shape[1:])
             slot = _Slot(offset, rows, -(-rows // self.world), math.prod(rest), rest, access.tag)
             self.slots.append(slot)
             offset += slot.numel
@@ -145,7 +153,7 @@ class Bucket:
     def gather(self, *, tagged: bool) -> dict:
         params = [module._parameters[name] for module, name, _ in self.entries]
         outs = _GatherBucket.apply(self, tagged, *params)
-        return {access: out for (_, _, access), out in zip(self.entries, outs)}
+        return {access: access.on_tp_mesh(out) for (_, _, access), out in zip(self.entries, outs)}
 
 
 @contextlib.contextmanager
@@ -211,7 +219,9 @@ class _GatherBucket(torch.autograd.Function):
         torch._chunk_cat(grads, dim=0, num_chunks=bucket.world, out=packed)
         local = c10d.wait_tensor(
             c10d.reduce_scatter_tensor(packed.view(-1), "sum", bucket.world, bucket.group_name))
-        local.div_(bucket.world)
+        if bucket.replicate_group is not None:
+            local = c10d.wait_tensor(c10d.all_reduce(local, "sum", bucket.replicate_group))
+        local.div_(bucket.world * bucket.replicas)
         out = []
         for slot, spec, shape in zip(bucket.slots, ctx.specs, ctx.local_shapes):
             g = local.as_strided(shape, _contiguous_stride(shape), slot.offset)

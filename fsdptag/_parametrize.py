@@ -189,6 +189,11 @@ class _ParamAccess:
             self.dp_mesh, self.compute_placements,
             forward_dtype=self.param_dtype, backward_dtype=self.reduce_dtype,
         ).to_local(grad_placements=self.grad_placements)
+        return self.on_tp_mesh(full)
+
+    def on_tp_mesh(self, full: torch.Tensor) -> torch.Tensor:
+        """The gathered (TP-local) tensor as compute sees it: a DTensor on the TP mesh
+        for TP parameters, else as is."""
         if self.tp_mesh is None:
             return full
         return DTensor.from_local(
@@ -227,8 +232,9 @@ def parametrize(
     ``"module"`` (the direct parameters of each module), or ``fn(module_fqn, module)
     -> bool`` marking bucket roots. A bucket is gathered at the first access inside
     its root's ``forward`` and kept until that ``forward`` returns; accesses outside
-    it gather per parameter. Buckets apply to ``fully_shard`` parameters without TP;
-    others gather per parameter. Parameters of one root with different dtypes or
+    it gather per parameter. Buckets apply to ``fully_shard`` and ``hybrid_shard``
+    parameters (with or without TP) sharded on dim 0; ``replicate`` parameters and
+    ``shard_dim > 0`` gather per parameter. Parameters of one root with different dtypes or
     reshard decisions form separate buckets (one gather each).
     Tied parameters (one tensor registered in several modules) stay one stored
     parameter; a bucket whose root's ``forward`` covers every use gathers it once.
@@ -355,7 +361,7 @@ def _plan(model, mesh, mode, reshard_after_forward, mp_policy, shard_dim, bucket
                 "parameters only: register it as a buffer instead"
             )
         root = None
-        if mode is DataParallelMode.FULLY_SHARD and not isinstance(param, DTensor):
+        if mode is not DataParallelMode.REPLICATE and shard_dim == 0:
             root = next((r for r in _ancestors(mfqn) if r in roots), None)
         reshard = reshard_of(mfqn, module) and mode is not DataParallelMode.REPLICATE
         access, sharded = _shard_param(param, FSDPTag(fqn, reshard), dp_mesh, dp_placements, mp)

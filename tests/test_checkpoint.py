@@ -253,6 +253,8 @@ def worker_4ranks():
         "hsdp": functools.partial(_matrix, "HSDP", hsdp, "hybrid_shard", dp_rank=dist.get_rank()),
         "fsdp+tp": functools.partial(_matrix, "FSDP+TP", dp_tp, "fully_shard", dp_rank=dp_rank,
                                      tp_mesh=dp_tp["tp"]),
+        "fsdp+tp buckets": functools.partial(_matrix, "FSDP+TP/block", dp_tp, "fully_shard",
+                                             dp_rank=dp_rank, tp_mesh=dp_tp["tp"], bucket="blocks"),
         "memory selective": functools.partial(_memory, dp_tp, dp_tp["tp"], dp_rank, "selective"),
         "memory full": functools.partial(_memory, dp_tp, dp_tp["tp"], dp_rank, "full"),
     })
@@ -267,7 +269,7 @@ def results():
 
 def _matrix_rows(results):
     rows = {}
-    for name in ("ddp", "fsdp", "fsdp buckets", "hsdp", "fsdp+tp"):
+    for name in ("ddp", "fsdp", "fsdp buckets", "hsdp", "fsdp+tp", "fsdp+tp buckets"):
         rows.update(result(results, name))
     return rows
 
@@ -280,48 +282,56 @@ def test_backward_all_gathers(results):
             assert row["bwd"] == 0, (name, row)
         else:
             assert row["bwd"] <= row["fwd"], (name, row)
-    table = "\n".join(f"{name:<24} fwd {row['fwd']:>2}  bwd {row['bwd']:>2}" for name, row in rows.items())
+    table = "\n".join(f"{name:<27} fwd {row['fwd']:>2}  bwd {row['bwd']:>2}" for name, row in rows.items())
     assert_expected_inline(table, """\
-DDP zero2 none           fwd  0  bwd  0
-DDP zero2 full           fwd  0  bwd  0
-DDP zero2 selective      fwd  0  bwd  0
-DDP zero2 layer          fwd  0  bwd  0
-DDP zero3 none           fwd  0  bwd  0
-DDP zero3 full           fwd  0  bwd  0
-DDP zero3 selective      fwd  0  bwd  0
-DDP zero3 layer          fwd  0  bwd  0
-FSDP zero2 none          fwd 21  bwd  0
-FSDP zero2 full          fwd 21  bwd  0
-FSDP zero2 selective     fwd 21  bwd  0
-FSDP zero2 layer         fwd 21  bwd  0
-FSDP zero3 none          fwd 21  bwd 20
-FSDP zero3 full          fwd 21  bwd 20
-FSDP zero3 selective     fwd 21  bwd 20
-FSDP zero3 layer         fwd 21  bwd 20
-FSDP/block zero2 none    fwd  3  bwd  0
-FSDP/block zero2 full    fwd  3  bwd  0
-FSDP/block zero2 selective fwd  3  bwd  0
-FSDP/block zero2 layer   fwd  3  bwd  0
-FSDP/block zero3 none    fwd  3  bwd  3
-FSDP/block zero3 full    fwd  3  bwd  3
-FSDP/block zero3 selective fwd  3  bwd  3
-FSDP/block zero3 layer   fwd  3  bwd  3
-HSDP zero2 none          fwd 21  bwd  0
-HSDP zero2 full          fwd 21  bwd  0
-HSDP zero2 selective     fwd 21  bwd  0
-HSDP zero2 layer         fwd 21  bwd  0
-HSDP zero3 none          fwd 21  bwd 20
-HSDP zero3 full          fwd 21  bwd 20
-HSDP zero3 selective     fwd 21  bwd 20
-HSDP zero3 layer         fwd 21  bwd 20
-FSDP+TP zero2 none       fwd 21  bwd  0
-FSDP+TP zero2 full       fwd 21  bwd  0
-FSDP+TP zero2 selective  fwd 21  bwd  0
-FSDP+TP zero2 layer      fwd 21  bwd  0
-FSDP+TP zero3 none       fwd 21  bwd 20
-FSDP+TP zero3 full       fwd 21  bwd 20
-FSDP+TP zero3 selective  fwd 21  bwd 20
-FSDP+TP zero3 layer      fwd 21  bwd 20""")
+DDP zero2 none              fwd  0  bwd  0
+DDP zero2 full              fwd  0  bwd  0
+DDP zero2 selective         fwd  0  bwd  0
+DDP zero2 layer             fwd  0  bwd  0
+DDP zero3 none              fwd  0  bwd  0
+DDP zero3 full              fwd  0  bwd  0
+DDP zero3 selective         fwd  0  bwd  0
+DDP zero3 layer             fwd  0  bwd  0
+FSDP zero2 none             fwd 21  bwd  0
+FSDP zero2 full             fwd 21  bwd  0
+FSDP zero2 selective        fwd 21  bwd  0
+FSDP zero2 layer            fwd 21  bwd  0
+FSDP zero3 none             fwd 21  bwd 20
+FSDP zero3 full             fwd 21  bwd 20
+FSDP zero3 selective        fwd 21  bwd 20
+FSDP zero3 layer            fwd 21  bwd 20
+FSDP/block zero2 none       fwd  3  bwd  0
+FSDP/block zero2 full       fwd  3  bwd  0
+FSDP/block zero2 selective  fwd  3  bwd  0
+FSDP/block zero2 layer      fwd  3  bwd  0
+FSDP/block zero3 none       fwd  3  bwd  3
+FSDP/block zero3 full       fwd  3  bwd  3
+FSDP/block zero3 selective  fwd  3  bwd  3
+FSDP/block zero3 layer      fwd  3  bwd  3
+HSDP zero2 none             fwd 21  bwd  0
+HSDP zero2 full             fwd 21  bwd  0
+HSDP zero2 selective        fwd 21  bwd  0
+HSDP zero2 layer            fwd 21  bwd  0
+HSDP zero3 none             fwd 21  bwd 20
+HSDP zero3 full             fwd 21  bwd 20
+HSDP zero3 selective        fwd 21  bwd 20
+HSDP zero3 layer            fwd 21  bwd 20
+FSDP+TP zero2 none          fwd 21  bwd  0
+FSDP+TP zero2 full          fwd 21  bwd  0
+FSDP+TP zero2 selective     fwd 21  bwd  0
+FSDP+TP zero2 layer         fwd 21  bwd  0
+FSDP+TP zero3 none          fwd 21  bwd 20
+FSDP+TP zero3 full          fwd 21  bwd 20
+FSDP+TP zero3 selective     fwd 21  bwd 20
+FSDP+TP zero3 layer         fwd 21  bwd 20
+FSDP+TP/block zero2 none    fwd  3  bwd  0
+FSDP+TP/block zero2 full    fwd  3  bwd  0
+FSDP+TP/block zero2 selective fwd  3  bwd  0
+FSDP+TP/block zero2 layer   fwd  3  bwd  0
+FSDP+TP/block zero3 none    fwd  3  bwd  3
+FSDP+TP/block zero3 full    fwd  3  bwd  3
+FSDP+TP/block zero3 selective fwd  3  bwd  3
+FSDP+TP/block zero3 layer   fwd  3  bwd  3""")
 
 
 def test_gradients_bitwise_equal_to_no_ac(results):
@@ -332,7 +342,7 @@ def test_gradients_bitwise_equal_to_no_ac(results):
 def test_tp_collectives_unchanged_by_the_policy(results):
     rows = _matrix_rows(results)
     tp_rows = {k: r for k, r in rows.items() if "tp_plain" in r}
-    assert len(tp_rows) == 6
+    assert len(tp_rows) == 12  # FSDP+TP and FSDP+TP/block, 6 AC settings each
     for name, row in tp_rows.items():
         assert row["tp"] == row["tp_plain"], name
     assert_expected_inline("\n".join(rows["FSDP+TP zero2 selective"]["tp"]), """\

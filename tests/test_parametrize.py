@@ -602,6 +602,19 @@ def worker_4ranks():
             dp_rank=dp_rank, dp_size=2)
         cases[f"parity fully_shard 4 bucket=block {z}"] = functools.partial(
             _parity, flat, "fully_shard", reshard, dp_rank=r, dp_size=4, bucket="block")
+        cases[f"parity hybrid_shard 2x2 bucket=block {z}"] = functools.partial(
+            _parity, hsdp, "hybrid_shard", reshard, dp_rank=r, dp_size=4, bucket="block")
+        cases[f"parity fsdp+tp 2x2 bucket=block {z}"] = functools.partial(
+            _parity, dp_tp, "fully_shard", reshard, dp_rank=dp_rank, dp_size=2, tp_mesh=dp_tp["tp"],
+            bucket="block")
+        cases[f"parity hsdp+tp 1x2x2 bucket=block {z}"] = functools.partial(
+            _parity, hsdp_tp, "hybrid_shard", reshard, dp_rank=dp_rank, dp_size=2,
+            tp_mesh=hsdp_tp["tp"], bucket="block")
+        cases[f"collectives hybrid_shard 2x2 bucket=block {z}"] = functools.partial(
+            _collectives, hsdp, "hybrid_shard", reshard, dp_rank=r, dp_size=4, bucket="block")
+        cases[f"collectives fsdp+tp 2x2 bucket=block {z}"] = functools.partial(
+            _collectives, dp_tp, "fully_shard", reshard, tp_mesh=dp_tp["tp"],
+            dp_rank=dp_rank, dp_size=2, bucket="block")
     cases["uneven zero3 ranks agree"] = functools.partial(_tp_collectives_consistent, flat)
     return run_cases(cases)
 
@@ -611,11 +624,11 @@ def four_ranks():
     return launch(4, worker_4ranks)
 
 
-@pytest.mark.parametrize("config", ["fully_shard 4", "fully_shard 4 bucket=block", "hybrid_shard 2x2",
-                                    "fsdp+tp 2x2", "hsdp+tp 1x2x2"])
+@pytest.mark.parametrize("config", ["fully_shard 4", "hybrid_shard 2x2", "fsdp+tp 2x2", "hsdp+tp 1x2x2"])
+@pytest.mark.parametrize("bucket", ["", " bucket=block"])
 @pytest.mark.parametrize("zero", [2, 3])
-def test_parity_4ranks(four_ranks, config, zero):
-    _assert_parity(four_ranks, f"parity {config} zero{zero}")
+def test_parity_4ranks(four_ranks, config, bucket, zero):
+    _assert_parity(four_ranks, f"parity {config}{bucket} zero{zero}")
 
 
 def test_collectives_4ranks(four_ranks):
@@ -629,6 +642,15 @@ forward  all_gather dp [fsdp] x16
 forward  all_reduce tp x2
 backward all_reduce tp x2
 backward reduce_scatter dp x16
+== collectives hybrid_shard 2x2 bucket=block zero2
+forward  all_gather shard [fsdp] x3
+backward all_reduce replicate x3
+backward reduce_scatter shard x3
+== collectives fsdp+tp 2x2 bucket=block zero2
+forward  all_gather dp [fsdp] x3
+forward  all_reduce tp x2
+backward all_reduce tp x2
+backward reduce_scatter dp x3
 == collectives hybrid_shard 2x2 zero3
 forward  all_gather shard [fsdp] x16
 backward all_gather shard [fsdp] x11
@@ -641,7 +663,20 @@ forward  all_reduce tp x2
 backward all_gather dp [fsdp] x11
 backward all_reduce tp x2
 backward reduce_scatter dp x16
-re-gathered: head.weight layers.0.fc1.weight layers.0.fc2.weight layers.0.norm.bias layers.0.norm.weight layers.1.fc1.weight layers.1.fc2.weight layers.1.norm.bias layers.1.norm.weight norm.bias norm.weight""")
+re-gathered: head.weight layers.0.fc1.weight layers.0.fc2.weight layers.0.norm.bias layers.0.norm.weight layers.1.fc1.weight layers.1.fc2.weight layers.1.norm.bias layers.1.norm.weight norm.bias norm.weight
+== collectives hybrid_shard 2x2 bucket=block zero3
+forward  all_gather shard [fsdp] x3
+backward all_gather shard [fsdp] x3
+backward all_reduce replicate x3
+backward reduce_scatter shard x3
+re-gathered: <root> layers.0 layers.1
+== collectives fsdp+tp 2x2 bucket=block zero3
+forward  all_gather dp [fsdp] x3
+forward  all_reduce tp x2
+backward all_gather dp [fsdp] x3
+backward all_reduce tp x2
+backward reduce_scatter dp x3
+re-gathered: <root> layers.0 layers.1""")
 
 
 def test_uneven_shards_all_ranks_agree(four_ranks):
