@@ -306,6 +306,24 @@ def _mixed_dtype_bucket(mesh, dp_rank):
     }
 
 
+def _shard_dim_1(mesh, dp_rank):
+    """shard_dim=1 (odd column counts: uneven) trains like the reference; such
+    parameters are not bucketed (buckets pack rows) and gather per parameter."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(7, 9, bias=False), nn.Tanh(), nn.Linear(9, 5, bias=False))
+    model = fsdptag.parametrize(models.clone(ref), mesh, mode="fully_shard", shard_dim=1)
+    x = torch.randn(4, 7, generator=torch.Generator().manual_seed(1))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
+    for _ in range(3):
+        model(x.chunk(2)[dp_rank]).pow(2).mean().backward()
+        torch.stack([ref(c).pow(2).mean() for c in x.chunk(2)]).mean().backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    return {"buckets": len(_bucket_roots(model)),
+            "diff": models.max_rel_diff(models.full_params(model), models.full_params(ref))}
+
+
 def _make_tied() -> nn.Module:
     net = models.make_net()
     net.head.weight = net.tok.weight  # the output projection shares the embedding table
@@ -396,6 +414,7 @@ def worker_2ranks():
     cases["meta init"] = functools.partial(_meta_init, mesh)
     cases["bucket storage"] = functools.partial(_bucket_storage, mesh)
     cases["tied"] = functools.partial(_tied, mesh, r)
+    cases["shard_dim 1"] = functools.partial(_shard_dim_1, mesh, r)
     cases["mixed dtype bucket"] = functools.partial(_mixed_dtype_bucket, mesh, r)
     cases["bad input"] = functools.partial(_bad_input, mesh, mesh2d)
     return run_cases(cases)
@@ -536,6 +555,11 @@ def test_mixed_dtype_bucket(two_ranks):
     assert r["dtypes"] == ["torch.bfloat16", "torch.float32"]
     assert r["gathers"] == 4  # root, layers.0 x2, layers.1
     assert r["max diff"] < 1e-6, r
+
+
+def test_shard_dim_1(two_ranks):
+    r = result(two_ranks, "shard_dim 1")
+    assert r["buckets"] == 0 and r["diff"] < 1e-5, r
 
 
 def test_tied_weights(two_ranks):
