@@ -75,7 +75,8 @@ class _Slot:
 
 
 class Bucket:
-    """The parameters of one bucket root that share a dtype; see Note [Buckets]."""
+    """The parameters of one bucket root that share a dtype and a reshard decision;
+    see Note [Buckets]."""
 
     def __init__(self, name: str, tag: FSDPTag, entries: list, dp_mesh, mp) -> None:
         self.name, self.tag = name, tag
@@ -129,6 +130,14 @@ class Bucket:
 
     def _packed(self, shards: list[torch.Tensor], tagged: bool) -> torch.Tensor:
         """The flat per-rank buffer built from ``shards`` (the unbound path)."""
+        dtypes = {s.dtype for s in shards}
+        if len(dtypes) > 1:
+            raise RuntimeError(
+                f"fsdptag: the parameters of bucket {self.name!r} now have dtypes "
+                f"{sorted(map(str, dtypes))}; a bucket gathers one dtype. Change parameter "
+                "dtypes before fsdptag.parametrize (it splits buckets by dtype), or convert "
+                "the whole bucket root module."
+            )
         pieces = []
         for slot, shard in zip(self.slots, shards):
             x = FSDPTaggedTensor(shard, self.tag) if tagged else shard

@@ -263,8 +263,15 @@ def get_fsdp_tag(t: Any) -> FSDPTag | None:
 
 
 def first_tag(x: Any) -> FSDPTag | None:
-    """The tag of ``x``, or of its first element for an op's list/tuple output or input."""
-    if isinstance(x, (list, tuple)):
+    """The tag of ``x``, or of its first element for an op's list/tuple output or input.
+
+    Called by the checkpoint policy for every op: the common cases return first."""
+    cls = type(x)
+    if cls is torch.Tensor:
+        return None
+    if cls is FSDPTaggedTensor:
+        return x.tag
+    if cls is list or cls is tuple:
         x = x[0] if x else None
     return get_fsdp_tag(x) if isinstance(x, torch.Tensor) else None
 
