@@ -3,11 +3,12 @@
 Note [Buckets]
 --------------
 With ``parametrize(..., bucket="blocks" | "module" | fn)`` the parameters under
-a bucket root module (sharded on dim 0, of one dtype and one reshard decision)
+a bucket root module (sharded on dim 0 or replicated, of one dtype and one reshard decision)
 are gathered together, in the layout FSDP2 uses for a parameter group. A TP
 parameter takes part with its TP-local tensor (what the dp mesh shards) and is
 wrapped back into a DTensor on its TP mesh after the copy-out; with HSDP the
-gather runs over the shard dim only.
+gather runs over the shard dim only; with DDP nothing is gathered (``world`` is 1)
+and gradients are all-reduced.
 
 * Storage: the bucket owns one flat per-rank buffer; slot ``i`` holds parameter
   ``i``'s shard padded to ``ceil(rows / world)`` rows, and each stored DTensor's
@@ -51,7 +52,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from ._tag import FSDPTag, FSDPTaggedTensor
 
@@ -81,13 +82,16 @@ class Bucket:
     def __init__(self, name: str, tag: FSDPTag, entries: list, dp_mesh, mp) -> None:
         self.name, self.tag = name, tag
         self.entries = entries  # [(module, param name, _ParamAccess)]
-        # Gather and reduce-scatter over the sharding dim; HSDP also all-reduces the
-        # reduce-scattered gradients over its replicate dim (dp mesh dim 0).
-        shard_dim = dp_mesh.ndim - 1
-        self.world = dp_mesh.size(shard_dim)
-        self.group_name = dp_mesh.get_group(shard_dim).group_name
-        self.replicas = dp_mesh.size(0) if dp_mesh.ndim == 2 else 1
-        self.replicate_group = dp_mesh.get_group(0).group_name if dp_mesh.ndim == 2 else None
+        # Gather and reduce-scatter over the sharding dim (FSDP: the mesh; HSDP: dim 1),
+        # all-reduce gradients over the replicate dim (HSDP: dim 0; DDP: the mesh, with
+        # nothing to gather: ``world == 1``).
+        ddp = isinstance(entries[0][2].dp_placements[-1], Replicate)
+        self.world = 1 if ddp else dp_mesh.size(dp_mesh.ndim - 1)
+        self.group_name = None if ddp else dp_mesh.get_group(dp_mesh.ndim - 1).group_name
+        replicate_dim = 0 if ddp or dp_mesh.ndim == 2 else None
+        self.replicas = 1 if replicate_dim is None else dp_mesh.size(replicate_dim)
+        self.replicate_group = (
+            None if replicate_dim is None else dp_mesh.get_group(replicate_dim).group_name)
         self.param_dtype = mp.param_dtype
         self.reduce_dtype = mp.reduce_dtype or mp.param_dtype
         self.slots: list[_Slot] = []
@@ -200,7 +204,10 @@ class _GatherBucket(torch.autograd.Function):
             flat = bucket._packed([p._local_tensor for p in params], tagged)
         if bucket.param_dtype is not None and bucket.param_dtype != flat.dtype:
             flat = flat.to(bucket.param_dtype)
-        gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(flat, bucket.world, bucket.group_name))
+        if bucket.world > 1:
+            gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(flat, bucket.world, bucket.group_name))
+        else:  # DDP: the shard is the whole parameter
+            gathered = flat
         if len(bucket.slots) > 1:
             pieces = torch.split_with_sizes_copy(
                 gathered.view(bucket.world, bucket.numel), bucket.split_sizes, dim=1)
@@ -226,8 +233,9 @@ class _GatherBucket(torch.autograd.Function):
         ]
         packed = grads[0].new_empty(bucket.world, bucket.numel, dtype=bucket.reduce_dtype or grads[0].dtype)
         torch._chunk_cat(grads, dim=0, num_chunks=bucket.world, out=packed)
-        local = c10d.wait_tensor(
-            c10d.reduce_scatter_tensor(packed.view(-1), "sum", bucket.world, bucket.group_name))
+        local = packed.view(-1)
+        if bucket.world > 1:
+            local = c10d.wait_tensor(c10d.reduce_scatter_tensor(local, "sum", bucket.world, bucket.group_name))
         if bucket.replicate_group is not None:
             local = c10d.wait_tensor(c10d.all_reduce(local, "sum", bucket.replicate_group))
         local.div_(bucket.world * bucket.replicas)

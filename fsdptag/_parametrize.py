@@ -361,7 +361,7 @@ def _plan(model, mesh, mode, reshard_after_forward, mp_policy, shard_dim, bucket
                 "parameters only: register it as a buffer instead"
             )
         root = None
-        if mode is not DataParallelMode.REPLICATE and shard_dim == 0:
+        if shard_dim == 0 or mode is DataParallelMode.REPLICATE:
             root = next((r for r in _ancestors(mfqn) if r in roots), None)
         reshard = reshard_of(mfqn, module) and mode is not DataParallelMode.REPLICATE
         access, sharded = _shard_param(param, FSDPTag(fqn, reshard), dp_mesh, dp_placements, mp)

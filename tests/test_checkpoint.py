@@ -237,6 +237,8 @@ def worker_2ranks():
     r = dist.get_rank()
     return run_cases({
         "ddp": functools.partial(_matrix, "DDP", mesh, "replicate", dp_rank=r),
+        "ddp buckets": functools.partial(_matrix, "DDP/block", mesh, "replicate", dp_rank=r,
+                                         bucket="blocks"),
         "fsdp": functools.partial(_matrix, "FSDP", mesh, "fully_shard", dp_rank=r),
         "fsdp buckets": functools.partial(_matrix, "FSDP/block", mesh, "fully_shard", dp_rank=r,
                                           bucket="blocks"),
@@ -269,7 +271,7 @@ def results():
 
 def _matrix_rows(results):
     rows = {}
-    for name in ("ddp", "fsdp", "fsdp buckets", "hsdp", "fsdp+tp", "fsdp+tp buckets"):
+    for name in ("ddp", "ddp buckets", "fsdp", "fsdp buckets", "hsdp", "fsdp+tp", "fsdp+tp buckets"):
         rows.update(result(results, name))
     return rows
 
@@ -292,6 +294,14 @@ DDP zero3 none              fwd  0  bwd  0
 DDP zero3 full              fwd  0  bwd  0
 DDP zero3 selective         fwd  0  bwd  0
 DDP zero3 layer             fwd  0  bwd  0
+DDP/block zero2 none        fwd  0  bwd  0
+DDP/block zero2 full        fwd  0  bwd  0
+DDP/block zero2 selective   fwd  0  bwd  0
+DDP/block zero2 layer       fwd  0  bwd  0
+DDP/block zero3 none        fwd  0  bwd  0
+DDP/block zero3 full        fwd  0  bwd  0
+DDP/block zero3 selective   fwd  0  bwd  0
+DDP/block zero3 layer       fwd  0  bwd  0
 FSDP zero2 none             fwd 21  bwd  0
 FSDP zero2 full             fwd 21  bwd  0
 FSDP zero2 selective        fwd 21  bwd  0

@@ -404,6 +404,13 @@ def worker_2ranks():
                 _parity, mesh, "fully_shard", reshard, dp_rank=r, dp_size=2, bucket=bucket)
             cases[f"collectives fully_shard bucket={bucket} {z}"] = functools.partial(
                 _collectives, mesh, "fully_shard", reshard, dp_rank=r, dp_size=2, bucket=bucket)
+    for reshard in (False, True):  # DDP buckets: one all-reduce each; with and without a cast
+        z = f"zero{3 if reshard else 2}"
+        cases[f"parity replicate bucket=block {z}"] = functools.partial(
+            _parity, mesh, "replicate", reshard, dp_rank=r, dp_size=2, bucket="block",
+            mp=fsdptag.MixedPrecisionPolicy(torch.float64) if reshard else None)
+        cases[f"collectives replicate bucket=block {z}"] = functools.partial(
+            _collectives, mesh, "replicate", reshard, dp_rank=r, dp_size=2, bucket="block")
     cases["kept zero2"] = functools.partial(_kept_bytes, mesh, False)
     cases["kept zero3"] = functools.partial(_kept_bytes, mesh, True)
     cases["bf16 vs fsdp2"] = functools.partial(_bf16_vs_fsdp2, mesh)
@@ -440,7 +447,7 @@ def _collectives_text(results) -> str:
 
 
 @pytest.mark.parametrize("mode", ["replicate", "fully_shard", "fully_shard bucket=module",
-                                  "fully_shard bucket=block"])
+                                  "fully_shard bucket=block", "replicate bucket=block"])
 @pytest.mark.parametrize("zero", [2, 3])
 def test_parity_2ranks(two_ranks, mode, zero):
     _assert_parity(two_ranks, f"parity {mode} zero{zero}")
@@ -478,7 +485,11 @@ backward reduce_scatter dp x3
 forward  all_gather dp [fsdp] x3
 backward all_gather dp [fsdp] x3
 backward reduce_scatter dp x3
-re-gathered: <root> layers.0 layers.1""")
+re-gathered: <root> layers.0 layers.1
+== collectives replicate bucket=block zero2
+backward all_reduce dp x3
+== collectives replicate bucket=block zero3
+backward all_reduce dp x3""")
 
 
 def test_zero3_frees_gathered_params(two_ranks):
