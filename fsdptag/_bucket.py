@@ -34,6 +34,14 @@ for zero2 and recomputes the copy-outs; each copied-out parameter carries its
 own parameter's tag, which the zero3 hooks use to re-gather the bucket (once per
 backward) and take that parameter from it.
 
+A scope also remembers the selective-checkpoint region it was opened in (the
+innermost SAC dispatch mode) and serves only accesses from that same region. When
+AC wraps a module *inside* a bucket root (say each block's feed-forward), the
+block's scope was opened outside that region and is closed by the time backward
+recomputes it; serving the region's forward from it would make forward and
+recompute issue different ops. Such accesses gather per parameter instead, in
+forward and recompute alike.
+
 Note [Bound storage]
 --------------------
 "Bound" means every stored parameter's ``_local_tensor`` is still the view
@@ -53,6 +61,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
 
 from ._tag import FSDPTag, FSDPTaggedTensor
 
@@ -105,7 +115,7 @@ class Bucket:
         self.split_sizes = [slot.numel for slot in self.slots]
         self.flat: torch.Tensor | None = None  # bound storage (Note [Bound storage])
         self.locals: tuple[torch.Tensor, ...] = ()
-        self.scopes: list[dict] = []  # one per open bucket-root forward
+        self.scopes: list[tuple] = []  # (checkpoint region, {access: gathered}) per open root forward
 
     # ------------------------------------------------------------ storage
 
@@ -155,10 +165,13 @@ class Bucket:
 
     def lookup(self, access, tagged: bool) -> torch.Tensor | None:
         """The gathered parameter for ``access`` in the current scope (gathering the
-        bucket at the scope's first access), or None outside the root's forward."""
+        bucket at the scope's first access), or None outside the root's forward or
+        from another checkpoint region than the scope's (Note [Buckets])."""
         if not self.scopes:
             return None
-        scope = self.scopes[-1]
+        region, scope = self.scopes[-1]
+        if region is not _current_region():
+            return None
         if not scope:
             scope.update(self.gather(tagged=tagged))
         return scope[access]
@@ -169,10 +182,19 @@ class Bucket:
         return {access: access.on_tp_mesh(out) for (_, _, access), out in zip(self.entries, outs)}
 
 
+def _current_region():
+    """The innermost selective-checkpoint region running now (its SAC mode), or None."""
+    for mode in reversed(_get_current_dispatch_mode_stack()):
+        if isinstance(mode, (_CachingTorchDispatchMode, _CachedTorchDispatchMode)):
+            return mode
+    return None
+
+
 @contextlib.contextmanager
 def _open_scopes(buckets):
+    region = _current_region()
     for b in buckets:
-        b.scopes.append({})
+        b.scopes.append((region, {}))
     try:
         yield
     finally:

@@ -20,6 +20,7 @@ activation casts and the rest.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -152,17 +153,25 @@ def measure_step(model, tokens: torch.Tensor) -> dict:
 
     tracker = LiveStorageTracker(track_inputs=True, track_peak=True)
     tracker.track_existing(params + state)
-    with tracker:
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
-        del logits
-        at_forward_end = tracker.snapshot()
-        loss.backward()
-        del loss
-        after_backward = tracker.snapshot()
-        grad_bytes = sum(_local_bytes(p.grad) for p in params if p.grad is not None)
-        optim.step()
-        optim.zero_grad(set_to_none=True)
+    # Cyclic GC would free some buffers at times that vary from run to run (it runs on
+    # allocation counts, and the collectives' threads allocate too); paused, frees
+    # follow reference counts only, the same in a real run and in an estimate.
+    gc.collect()
+    gc.disable()
+    try:
+        with tracker:
+            logits = model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+            del logits
+            at_forward_end = tracker.snapshot()
+            loss.backward()
+            del loss
+            after_backward = tracker.snapshot()
+            grad_bytes = sum(_local_bytes(p.grad) for p in params if p.grad is not None)
+            optim.step()
+            optim.zero_grad(set_to_none=True)
+    finally:
+        gc.enable()
     kept = LiveStorageTracker.kept(at_forward_end, after_backward)
     return {
         "peak_bytes": tracker.peak_bytes,

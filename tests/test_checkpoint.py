@@ -102,6 +102,28 @@ def _matrix(name, mesh, mode, *, dp_rank, tp_mesh=None, bucket="param"):
     return rows
 
 
+def _inner_regions(mesh, dp_rank):
+    """AC on sub-modules of a bucket root (each block's feed-forward): the bucket is
+    gathered outside those regions, so inside them the parameters must be gathered
+    the same way in forward and in recompute (per parameter)."""
+    rows = {}
+    for reshard in (False, True):
+        reference = _step(_build(mesh, "fully_shard", reshard, bucket="blocks"), mesh, dp_rank)[1]
+        for ac in ("full", "selective"):
+            model = _build(mesh, "fully_shard", reshard, bucket="blocks")
+            fsdptag.apply_ac(model, ac, blocks=[b.feed_forward for b in model.layers])
+            try:
+                cc, grads = _step(model, mesh, dp_rank)
+            except RuntimeError as e:
+                rows[f"zero{3 if reshard else 2} {ac}"] = f"error: {e}"[:200]
+                continue
+            rows[f"zero{3 if reshard else 2} {ac}"] = {
+                "fwd": cc.count("forward", "all_gather"), "bwd": cc.count("backward", "all_gather"),
+                "bitwise": all(torch.equal(grads[k], reference[k]) for k in grads),
+            }
+    return rows
+
+
 # ---------------------------------------------------------------- memory: (a) (b) (c)
 
 def _kept_bytes(model, mesh, dp_rank):
@@ -243,6 +265,7 @@ def worker_2ranks():
         "fsdp buckets": functools.partial(_matrix, "FSDP/block", mesh, "fully_shard", dp_rank=r,
                                           bucket="blocks"),
         "errors": functools.partial(_errors, mesh),
+        "inner regions": functools.partial(_inner_regions, mesh, r),
         "sac saved": functools.partial(_sac_saved, mesh),
     })
 
@@ -342,6 +365,15 @@ FSDP+TP/block zero3 none    fwd  3  bwd  3
 FSDP+TP/block zero3 full    fwd  3  bwd  3
 FSDP+TP/block zero3 selective fwd  3  bwd  3
 FSDP+TP/block zero3 layer   fwd  3  bwd  3""")
+
+
+def test_ac_inside_a_bucket_root(results):
+    r = result(results, "inner regions")
+    assert all(isinstance(v, dict) and v["bitwise"] for v in r.values()), r
+    # 3 bucket gathers + the 6 feed-forward weights, which their regions gather per
+    # parameter; zero2 never re-gathers, zero3 re-gathers each once.
+    assert {k: (v["fwd"], v["bwd"]) for k, v in r.items()} == {
+        "zero2 full": (9, 0), "zero2 selective": (9, 0), "zero3 full": (9, 9), "zero3 selective": (9, 9)}
 
 
 def test_gradients_bitwise_equal_to_no_ac(results):

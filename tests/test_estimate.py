@@ -45,7 +45,12 @@ def test_estimate_matches_real_run(real, reshard, ac):
         measured = real[(reshard, ac, e.policy)]
         print(f"\n{e.policy} zero{3 if reshard else 2} {ac}: estimated peak {e.peak_bytes} B, "
               f"real {measured['peak_bytes']} B")
-        assert abs(e.peak_bytes - measured["peak_bytes"]) <= 0.05 * measured["peak_bytes"], (e, measured)
+        # A real run can only be higher: gloo's thread may hold a collective's buffers
+        # a little past the point where the fake run frees them. Usually the two are
+        # equal to the byte; seen here: fsdptag +0-2.2%, FSDP2 (its c10d Work objects
+        # keep its buffers until gloo finishes them) +0-12%.
+        slack = 1.2 if e.policy == "fsdp2" else 1.05
+        assert e.peak_bytes <= measured["peak_bytes"] <= slack * e.peak_bytes, (e, measured)
         assert e.param_bytes == measured["param_bytes"]
         assert e.optimizer_bytes == measured["optimizer_bytes"]
 
