@@ -234,10 +234,10 @@ def parametrize(
     ``"module"`` (the direct parameters of each module), or ``fn(module_fqn, module)
     -> bool`` marking bucket roots. A bucket is gathered at the first access inside
     its root's ``forward`` and kept until that ``forward`` returns; accesses outside
-    it gather per parameter. Buckets apply to ``fully_shard`` and ``hybrid_shard``
-    parameters (with or without TP) sharded on dim 0; ``replicate`` parameters and
-    ``shard_dim > 0`` gather per parameter. Parameters of one root with different dtypes or
-    reshard decisions form separate buckets (one gather each).
+    it gather per parameter. Buckets apply in every mode, with or without TP
+    (``replicate``: one cast and one gradient all-reduce per bucket); with
+    ``shard_dim > 0`` parameters gather per parameter. Parameters of one root with
+    different dtypes or reshard decisions form separate buckets (one gather each).
     Tied parameters (one tensor registered in several modules) stay one stored
     parameter; a bucket whose root's ``forward`` covers every use gathers it once.
 
