@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import sys
 import tempfile
 from typing import Any, Callable
 
@@ -34,6 +35,13 @@ def _worker(rank: int, world_size: int, init_file: str, out_file: str, fn: Calla
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    # Skip interpreter teardown: C++ threads still owned by objects that outlive the
+    # process group (autograd, gloo) are sometimes destroyed while joinable there,
+    # which aborts the process ("terminate called without an active exception")
+    # after its work is done.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn(world_size: int, fn: Callable[..., Any], *args: Any) -> Any:
