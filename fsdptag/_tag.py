@@ -83,15 +83,14 @@ class FSDPTaggedTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, elem: torch.Tensor, tag: FSDPTag, requires_grad: bool = False):
-        if isinstance(elem, FSDPTaggedTensor):
+        if type(elem) is FSDPTaggedTensor:
             raise TypeError("FSDPTaggedTensor cannot wrap another FSDPTaggedTensor")
-        out = torch.Tensor._make_wrapper_subclass(
+        out = torch.Tensor._make_wrapper_subclass(  # strided layout: the default
             cls,
             elem.size(),
             strides=elem.stride(),
             storage_offset=elem.storage_offset(),
             dtype=elem.dtype,
-            layout=elem.layout,
             device=elem.device,
             requires_grad=requires_grad,
         )
@@ -119,7 +118,7 @@ class FSDPTaggedTensor(torch.Tensor):
                 "The gathered copy is temporary, so the change would be lost; modify the "
                 "stored parameter inside `with fsdptag.disable_active_parametrization():`."
             )
-        out = func(*inner_args, **inner_kwargs)
+        out = func._op(*inner_args, **inner_kwargs)  # the C++ op: skips OpOverload.__call__
         return out if rule is None else rule(func, tag, args, kwargs, out)
 
 
