@@ -3,8 +3,9 @@
 Note [Buckets]
 --------------
 With ``parametrize(..., bucket="blocks" | "module" | fn)`` the parameters under
-a bucket root module (sharded on dim 0 or replicated, of one dtype and one reshard decision)
-are gathered together, in the layout FSDP2 uses for a parameter group. A TP
+a bucket root module (sharded on dim 0 or replicated, of one dtype and one
+reshard decision) are gathered together, in the layout FSDP2 uses for a
+parameter group. A TP
 parameter takes part with its TP-local tensor (what the dp mesh shards) and is
 wrapped back into a DTensor on its TP mesh after the copy-out; with HSDP the
 gather runs over the shard dim only; with DDP nothing is gathered (``world`` is 1)
@@ -20,7 +21,8 @@ and gradients are all-reduced.
   ``5 + n`` ops per bucket, whatever the padding, and the same ops on every rank.
 * Backward: one ``_chunk_cat`` packs the gradients (padding included) into the
   reduce-scatter input in ``reduce_dtype``, one ``reduce_scatter_tensor``
-  (sum; HSDP then one ``all_reduce`` over the replicate dim; then the average);
+  (sum; HSDP then one ``all_reduce`` over the replicate dim, DDP only that;
+  then the average);
   each gradient is a view into the result, wrapped as a DTensor like its parameter.
 
 The gather runs at the first access to any of the bucket's parameters inside the
