@@ -80,7 +80,6 @@ class _Slot:
     padded_rows: int  # ceil(rows / world): every rank's chunk, padded
     row_numel: int  # elements per row
     rest: tuple[int, ...]  # dims after 0
-    tag: FSDPTag
 
     @property
     def numel(self) -> int:
@@ -91,9 +90,10 @@ class Bucket:
     """The parameters of one bucket root that share a dtype and a reshard decision;
     see Note [Buckets]."""
 
-    def __init__(self, name: str, tag: FSDPTag, entries: list, dp_mesh, mp) -> None:
-        self.name, self.tag = name, tag
+    def __init__(self, name: str, reshard: bool, entries: list, dp_mesh, mp) -> None:
+        self.name = name
         self.entries = entries  # [(module, param name, _ParamAccess)]
+        self.tag = FSDPTag(name, reshard, parts=tuple(access.tag for _, _, access in entries))
         # Gather and reduce-scatter over the sharding dim (FSDP: the mesh; HSDP: dim 1),
         # all-reduce gradients over the replicate dim (HSDP: dim 0; DDP: the mesh, with
         # nothing to gather: ``world == 1``).
@@ -110,7 +110,7 @@ class Bucket:
         offset = 0
         for _, _, access in entries:  # a TP parameter's slot holds its TP-local tensor
             rows, rest = access.dp_shape[0], tuple(access.dp_shape[1:])
-            slot = _Slot(offset, rows, -(-rows // self.world), math.prod(rest), rest, access.tag)
+            slot = _Slot(offset, rows, -(-rows // self.world), math.prod(rest), rest)
             self.slots.append(slot)
             offset += slot.numel
         self.numel = offset
@@ -232,15 +232,15 @@ class _GatherBucket(torch.autograd.Function):
             gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(flat, bucket.world, bucket.group_name))
         else:  # DDP: the shard is the whole parameter
             gathered = flat
-        if len(bucket.slots) > 1:
+        if len(bucket.slots) > 1:  # each piece tagged as its parameter (FSDPTag.parts)
             pieces = torch.split_with_sizes_copy(
                 gathered.view(bucket.world, bucket.numel), bucket.split_sizes, dim=1)
+        elif tagged:  # already laid out rank-major like the parameter
+            pieces = [FSDPTaggedTensor(gathered._elem, bucket.tag.parts[0])]
         else:
-            pieces = [gathered]  # already laid out rank-major like the parameter
+            pieces = [gathered]
         outs = []
         for slot, p in zip(bucket.slots, pieces):
-            if tagged:
-                p = FSDPTaggedTensor(p._elem, slot.tag)
             p = p.view(bucket.world * slot.padded_rows, *slot.rest)
             if p.shape[0] != slot.rows:
                 p = p.narrow(0, 0, slot.rows)

@@ -119,7 +119,7 @@ def plan_parametrization(model, mesh, mode, reshard_after_forward, mp_policy, sh
                 name += f"[{str(dtype).removeprefix('torch.')}]"
             if len(reshards) > 1:
                 name += f"[zero{3 if reshard else 2}]"
-            b = Bucket(name, FSDPTag(name, reshard), [m[:3] for m in members], dp_mesh, mp)
+            b = Bucket(name, reshard, [m[:3] for m in members], dp_mesh, mp)
             b.bind([m[3] for m in members])  # the new parameters only: the model is untouched
             group.append(b)
         buckets.append((roots[root], tuple(group)))

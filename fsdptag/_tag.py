@@ -15,7 +15,8 @@ op (as the dispatcher sees)  why it keeps the tag
 ``new_zeros``, ``cat``,      all-gather, so these must keep the tag or ranks take
 ``clone``                    different save/recompute decisions and deadlock
 ``all_gather_into_tensor``   the FSDP all-gather itself
-``split_with_sizes_copy``    copies a bucket's gathered parameters out
+``split_with_sizes_copy``    copies a bucket's gathered parameters out (each
+                             piece tagged as its own parameter: ``tag.parts``)
 ``_wrap_tensor_autograd``    wraps the gather output in an AsyncCollectiveTensor;
                              we put the tag *inside* it (ACT(tagged)) so that ...
 ``wait_tensor``              ... the later wait, which sees ACT's inner tensor,
@@ -56,11 +57,13 @@ class FSDPTag:
     ``fqn`` names the parameter (as in ``model.named_parameters()`` before
     parametrization); ``reshard_after_forward`` is its zero3 (True) / zero2
     (False) decision. Both are fixed at ``parametrize`` time and identical on
-    every rank.
+    every rank. A bucket's tag (``fqn`` = its root module) lists its parameters'
+    tags in ``parts``, in slot order: its copy-out gives piece ``i`` tag ``parts[i]``.
     """
 
     fqn: str
     reshard_after_forward: bool
+    parts: tuple[FSDPTag, ...] = ()
 
 
 class FSDPTaggedTensor(torch.Tensor):
@@ -194,11 +197,16 @@ def _keeps_tag(*ops: Any) -> Callable[[_Rule], _Rule]:
     aten.new_zeros.default,
     aten.cat.default,
     aten.clone.default,
-    # a bucket's copy-out (Note [Buckets] in _bucket.py)
-    aten.split_with_sizes_copy.default,
 )
 def _rewrap_new(func, tag, args, kwargs, out):
     return _wrap(out, tag)
+
+
+@_keeps_tag(aten.split_with_sizes_copy.default)
+def _rewrap_parts(func, tag, args, kwargs, out):
+    # A bucket's copy-out (Note [Buckets] in _bucket.py): piece i is parameter i.
+    parts = tag.parts if len(tag.parts) == len(out) else (tag,) * len(out)
+    return [FSDPTaggedTensor(x, t) for x, t in zip(out, parts)]
 
 
 @_keeps_tag(
