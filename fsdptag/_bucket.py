@@ -66,7 +66,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
 
-from ._tag import FSDPTag, FSDPTaggedTensor
+from ._tag import FSDPTag, FSDPTaggedTensor, mark_gathered
 
 c10d = torch.ops._c10d_functional
 
@@ -222,23 +222,29 @@ class _GatherBucket(torch.autograd.Function):
         ctx.bucket = bucket
         ctx.specs = [p._spec for p in params]
         ctx.local_shapes = [p._local_tensor.shape for p in params]
+        cast = bucket.param_dtype is not None and bucket.param_dtype != params[0].dtype
+        # DDP without a cast gathers nothing: compute reads views of the stored shards,
+        # untagged (Note [Marked handout] in _tag.py).
+        tagged = tagged and (cast or bucket.world > 1)
         if bucket._is_bound(params):
             flat = FSDPTaggedTensor(bucket.flat, bucket.tag) if tagged else bucket.flat
         else:
             flat = bucket._packed([p._local_tensor for p in params], tagged)
-        if bucket.param_dtype is not None and bucket.param_dtype != flat.dtype:
+        if cast:
             flat = flat.to(bucket.param_dtype)
         if bucket.world > 1:
             gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(flat, bucket.world, bucket.group_name))
         else:  # DDP: the shard is the whole parameter
             gathered = flat
-        if len(bucket.slots) > 1:  # each piece tagged as its parameter (FSDPTag.parts)
+        if len(bucket.slots) == 1:  # already laid out rank-major like the parameter
+            pieces = [FSDPTaggedTensor(gathered._elem, bucket.tag.parts[0]) if tagged else gathered]
+        elif cast or bucket.world > 1:  # each piece tagged as its parameter (FSDPTag.parts)
             pieces = torch.split_with_sizes_copy(
                 gathered.view(bucket.world, bucket.numel), bucket.split_sizes, dim=1)
-        elif tagged:  # already laid out rank-major like the parameter
-            pieces = [FSDPTaggedTensor(gathered._elem, bucket.tag.parts[0])]
         else:
-            pieces = [gathered]
+            pieces = torch.split_with_sizes(gathered, bucket.split_sizes)
+        if tagged:  # compute gets plain tensors (Note [Marked handout] in _tag.py)
+            pieces = [mark_gathered(p._elem, p.tag) for p in pieces]
         outs = []
         for slot, p in zip(bucket.slots, pieces):
             p = p.view(bucket.world * slot.padded_rows, *slot.rest)

@@ -132,9 +132,9 @@ class Zero3SavedTensorHooks:
             ctx.__exit__(None, None, None)
 
     def _pack(self, t: torch.Tensor):
-        if type(t) in (torch.Tensor, nn.Parameter):  # plain tensors carry no tag
+        if type(t) is nn.Parameter:
             return t
-        tag = get_fsdp_tag(t)
+        tag = get_fsdp_tag(t)  # views of a gathered parameter: by its mark
         if tag is None or not tag.reshard_after_forward:
             return t
         module, name, access = self.accesses[tag.fqn]

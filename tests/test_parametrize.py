@@ -167,6 +167,44 @@ def _gather_once(mesh):
     return out
 
 
+class _ScaleInForward(nn.Module):
+    """Modifies its gathered weight in place inside forward (a user error)."""
+
+    def __init__(self, grad_mode: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.grad_mode = grad_mode
+
+    def forward(self, x):
+        if self.grad_mode is not None:
+            with torch.set_grad_enabled(self.grad_mode and torch.is_grad_enabled()):
+                self.lin.weight.mul_(2)
+        return self.lin(x)
+
+
+def _in_place(mesh):
+    """An in-place op on a gathered parameter raises (fsdptag's error, or autograd's first
+    when grad is on and the parameter is a view returned by the bucket gather) and
+    leaves the stored parameter alone; the model keeps working."""
+    out = {}
+    for bucket in ("param", "block"):
+        for grad_mode in (True, False):
+            torch.manual_seed(0)
+            model = fsdptag.parametrize(nn.Sequential(_ScaleInForward(grad_mode)), mesh,
+                                        mode="fully_shard", bucket=BUCKETS[bucket])
+            before = model[0].lin._parameters["weight"].full_tensor().clone()
+            try:
+                model(torch.randn(2, 6)).sum().backward()
+                error = "no error"
+            except RuntimeError as e:
+                error = str(e).split(". ")[0]
+            model[0].grad_mode = None  # forward now leaves the weight alone
+            model(torch.randn(2, 6)).sum().backward()
+            same = torch.equal(before, model[0].lin._parameters["weight"].full_tensor())
+            out[f"{bucket} grad={'on' if grad_mode else 'off'}"] = f"{error} | stored unchanged: {same}"
+    return out
+
+
 def _state_dict_collectives(mesh):
     model = models.make_net()
     fsdptag.parametrize(model, mesh, mode="fully_shard")
@@ -417,6 +455,7 @@ def worker_2ranks():
     cases["state_dict"] = functools.partial(_state_dict_collectives, mesh)
     cases["fsdp2 collectives"] = functools.partial(_fsdp2_collectives, mesh)
     cases["gather once"] = functools.partial(_gather_once, mesh)
+    cases["in place"] = functools.partial(_in_place, mesh)
     cases["per-module tags"] = functools.partial(_per_module_tags, mesh)
     cases["meta init"] = functools.partial(_meta_init, mesh)
     cases["bucket storage"] = functools.partial(_bucket_storage, mesh)
@@ -517,6 +556,15 @@ def test_bucket_gathers_a_reused_weight_once(two_ranks):
     # one gather per call. A bucket rooted above both calls: one gather, one reduction.
     assert result(two_ranks, "gather once") == {
         "param": (4, 4, True), "module": (2, 2, True), "root": (1, 1, True)}
+
+
+def test_in_place_on_gathered_param_raises(two_ranks):
+    text = "\n".join(f"{k}: {v}" for k, v in result(two_ranks, "in place").items())
+    assert_expected_inline(text, """\
+param grad=on: fsdptag: the gathered parameter '0.lin.weight' was modified in place during forward | stored unchanged: True
+param grad=off: fsdptag: the gathered parameter '0.lin.weight' was modified in place during forward | stored unchanged: True
+block grad=on: Output 0 of _GatherBucket is a view and is being modified inplace | stored unchanged: True
+block grad=off: fsdptag: the gathered parameter '0.lin.weight' was modified in place during forward | stored unchanged: True""")
 
 
 def test_state_dict_has_no_collective(two_ranks):

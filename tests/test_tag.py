@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fsdptag import FSDPTag, FSDPTaggedTensor, get_fsdp_tag, is_fsdp_tagged
-from fsdptag._tag import TAG_KEEPING_OPS, tag_shard
+from fsdptag._tag import TAG_KEEPING_OPS, first_tag, mark_gathered, tag_shard, untag
 
 TAG = FSDPTag("layers.0.weight", True)
 
@@ -82,6 +82,29 @@ def test_fsdp_path_keeps_tag(name, fn):
 ])
 def test_compute_drops_tag(name, fn):
     assert type(fn(tagged(4, 4))) is torch.Tensor
+
+
+def test_marked_handout_tags_its_views_not_compute():
+    # Note [Marked handout]: compute gets a plain tensor; views find the tag on its storage.
+    w = untag(FSDPTaggedTensor(torch.randn(4, 4), TAG).requires_grad_())
+    assert type(w) is torch.Tensor and get_fsdp_tag(w) is TAG
+    for view in (w.t(), w.view(-1), w[1:3], w.detach(), w.t().t().unsqueeze(0)):
+        assert type(view) is torch.Tensor and first_tag(view) is TAG
+    for out in (w @ w, w + 1, w.t().contiguous(), torch.randn(4, 4)):
+        assert first_tag(out) is None
+    (w.t() @ torch.ones(4, 1)).sum().backward()  # untag is differentiable
+
+
+def test_mark_seen_through_dtensor_local_views():
+    # DTensor takes views of its local tensor inside its dispatch, where _base is not set.
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        d = DTensor.from_local(mark_gathered(torch.randn(4, 2), TAG), mesh, [Replicate()], run_check=False)
+        assert d.t()._local_tensor._base is None and is_fsdp_tagged(d.t())
+        assert not is_fsdp_tagged(d @ d.t())
+    finally:
+        dist.destroy_process_group()
 
 
 def test_views_alias_their_base():
