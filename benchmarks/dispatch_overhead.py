@@ -1,5 +1,6 @@
-"""Micro-benchmark of the tag's cost: microseconds per op on a tagged vs a plain tensor,
-and per checkpoint-policy call.
+"""Micro-benchmark of the tag's cost: microseconds per op on a plain tensor, on a marked
+one (what compute gets: Note [Marked handout]) and on a tagged one (the FSDP path), and
+per checkpoint-policy call.
 
     python benchmarks/dispatch_overhead.py
 
@@ -15,6 +16,7 @@ import torch
 from torch.utils.checkpoint import SelectiveCheckpointContext
 
 from fsdptag import FSDPTag, FSDPTaggedTensor, checkpoint_policy
+from fsdptag._tag import mark_gathered
 
 aten = torch.ops.aten
 
@@ -35,6 +37,7 @@ def main() -> None:
     torch.set_num_threads(1)
     plain = torch.randn(64, 64)
     tagged = FSDPTaggedTensor(plain.clone(), FSDPTag("w", False))
+    marked = mark_gathered(plain.clone(), FSDPTag("w", False))
     x = torch.randn(8, 64)
     ops = {
         "t() (view, keeps tag)": lambda w: w.t(),
@@ -43,11 +46,11 @@ def main() -> None:
         "_to_copy bf16 (keeps tag)": lambda w: w.to(torch.bfloat16),
         "mm (drops tag)": lambda w: torch.mm(x, w),
     }
-    print("| op | plain µs | tagged µs | overhead µs |")
-    print("|---|---|---|---|")
+    print("| op | plain µs | marked µs | tagged µs | tagged overhead µs |")
+    print("|---|---|---|---|---|")
     for name, op in ops.items():
-        p, t = _us(lambda: op(plain)), _us(lambda: op(tagged))
-        print(f"| {name} | {p:.1f} | {t:.1f} | {t - p:.1f} |")
+        p, m, t = _us(lambda: op(plain)), _us(lambda: op(marked)), _us(lambda: op(tagged))
+        print(f"| {name} | {p:.1f} | {m:.1f} | {t:.1f} | {t - p:.1f} |")
 
     policy = checkpoint_policy([aten.mm.default])
     ctx_tagged = SelectiveCheckpointContext(is_recompute=False, op_output=tagged)
@@ -58,6 +61,8 @@ def main() -> None:
     print(f"| tagged output (all_gather) | "
           f"{_us(lambda: policy(ctx_tagged, torch.ops._c10d_functional.all_gather_into_tensor.default)):.2f} |")
     print(f"| plain output (mm, to the base list) | {_us(lambda: policy(ctx_plain, aten.mm.default)):.2f} |")
+    ctx_marked = SelectiveCheckpointContext(is_recompute=False, op_output=marked.t())
+    print(f"| marked view (t() of a gathered parameter) | {_us(lambda: policy(ctx_marked, aten.t.default)):.2f} |")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,9 @@ and gradients are all-reduced.
 * Forward: ``flat.to(param_dtype)`` -> one ``all_gather_into_tensor`` -> one
   ``split_with_sizes_copy`` of the ``(world, numel)`` result into each
   parameter -> one ``view`` (+ ``narrow`` for uneven rows) per parameter. About
-  ``5 + n`` ops per bucket, whatever the padding, and the same ops on every rank.
+  ``5 + n`` ops per bucket, whatever the padding, and the same ops on every rank;
+  only the first five are tagged-tensor dispatches. DDP without a cast copies
+  nothing: the parameters are views of the stored buffer.
 * Backward: one ``_chunk_cat`` packs the gradients (padding included) into the
   reduce-scatter input in ``reduce_dtype``, one ``reduce_scatter_tensor``
   (sum; HSDP then one ``all_reduce`` over the replicate dim, DDP only that;
@@ -32,8 +34,9 @@ block issues the same ops in forward and in its recompute, which SAC's per-op
 replay requires; an access outside the root's ``forward`` falls back to the
 per-parameter gather. The all-gather input and output carry the bucket's tag
 (FQN = the root module's), so the checkpoint policy saves the all-gather output
-for zero2 and recomputes the copy-outs; each copied-out parameter carries its
-own parameter's tag, which the zero3 hooks use to re-gather the bucket (once per
+for zero2 and recomputes the copy-outs; each copied-out parameter is handed to
+compute plain, its storage marked with its own parameter's tag (Note [Marked
+handout] in ``_tag.py``), which the zero3 hooks use to re-gather the bucket (once per
 backward) and take that parameter from it.
 
 A scope also remembers the selective-checkpoint region it was opened in (the

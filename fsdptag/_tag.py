@@ -22,12 +22,14 @@ op (as the dispatcher sees)  why it keeps the tag
 ``wait_tensor``              ... the later wait, which sees ACT's inner tensor,
                              still sees a tagged tensor
 view / alias ops             DTensor unpads with ``narrow``/``slice``, splits for
-                             ``_StridedShard``; users take ``t()`` / ``view``
+                             ``_StridedShard``
 ==========================  =====================================================
 
 Every other op (``mm``, ``add``, ``layer_norm``, ...) is real compute: its
 outputs are returned as plain tensors, so the tag never leaks into activations,
-the loss, gradients or optimizer state. The tag's decision fields are static
+the loss, gradients or optimizer state. At the end of the path compute gets a
+plain tensor whose storage carries the tag (Note [Marked handout]); its views
+(``w.t()``) are tagged through it. The tag's decision fields are static
 per parameter, hence identical on every rank (rank independence).
 
 The stored parameter itself is never tagged: the parametrization wraps the

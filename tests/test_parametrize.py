@@ -5,6 +5,7 @@ Each launch runs many cases and returns a dict; the tests below assert on it.
 
 from __future__ import annotations
 
+import collections
 import functools
 
 import pytest
@@ -17,6 +18,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdptag
+from fsdptag import FSDPTaggedTensor
 from fsdptag._bucket import _open_scopes
 from fsdptag.debug import CollectiveCounter, LiveStorageTracker
 
@@ -252,6 +254,33 @@ class _OpLog(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _tagged_dispatches(mesh, r):
+    """Ops that dispatch through FSDPTaggedTensor in one training step (Note [Marked
+    handout]): only the gather path; compute on gathered weights runs on plain tensors."""
+    counts = collections.Counter()
+    original = FSDPTaggedTensor.__dict__["__torch_dispatch__"]
+
+    def counting(cls, func, types, args=(), kwargs=None):
+        counts[str(func)] += 1
+        return original.__func__(cls, func, types, args, kwargs)
+
+    out = {}
+    tokens, targets = models.batch(0, 2)
+    for zero, ac in ((2, "none"), (2, "selective"), (3, "none"), (3, "selective")):
+        model = fsdptag.parametrize(models.make_net(), mesh, mode="fully_shard",
+                                    reshard_after_forward=zero == 3,
+                                    mp_policy=fsdptag.MixedPrecisionPolicy(torch.bfloat16))
+        fsdptag.apply_ac(model, ac)
+        counts.clear()
+        FSDPTaggedTensor.__torch_dispatch__ = classmethod(counting)
+        try:
+            models.loss_fn(model(tokens[r]), targets[r]).backward()
+        finally:
+            FSDPTaggedTensor.__torch_dispatch__ = original
+        out[f"zero{zero} {ac}"] = ", ".join(f"{op.split('.')[1]} {n}" for op, n in sorted(counts.items()))
+    return out
+
+
 def _bucket_roots(model):
     return [m for m in model.modules() if "_fsdptag_buckets" in m.__dict__]
 
@@ -456,6 +485,7 @@ def worker_2ranks():
     cases["fsdp2 collectives"] = functools.partial(_fsdp2_collectives, mesh)
     cases["gather once"] = functools.partial(_gather_once, mesh)
     cases["in place"] = functools.partial(_in_place, mesh)
+    cases["tagged dispatches"] = functools.partial(_tagged_dispatches, mesh, r)
     cases["per-module tags"] = functools.partial(_per_module_tags, mesh)
     cases["meta init"] = functools.partial(_meta_init, mesh)
     cases["bucket storage"] = functools.partial(_bucket_storage, mesh)
@@ -556,6 +586,17 @@ def test_bucket_gathers_a_reused_weight_once(two_ranks):
     # one gather per call. A bucket rooted above both calls: one gather, one reduction.
     assert result(two_ranks, "gather once") == {
         "param": (4, 4, True), "module": (2, 2, True), "root": (1, 1, True)}
+
+
+def test_tagged_dispatches_are_the_gather_path(two_ranks):
+    # Net: 2 blocks + root, 3 buckets. Per bucket gather: cast, all-gather, wait, copy-out
+    # (+ SAC's detach of a saved all-gather output, and a recompute's gather ops).
+    text = "\n".join(f"{k}: {v}" for k, v in result(two_ranks, "tagged dispatches").items())
+    assert_expected_inline(text, """\
+zero2 none: all_gather_into_tensor 3, wait_tensor 3, _to_copy 3, split_with_sizes_copy 3, view 3
+zero2 selective: all_gather_into_tensor 3, wait_tensor 5, _to_copy 5, detach 2, split_with_sizes_copy 5, view 5
+zero3 none: all_gather_into_tensor 6, wait_tensor 6, _to_copy 6, split_with_sizes_copy 6, view 6
+zero3 selective: all_gather_into_tensor 6, wait_tensor 6, _to_copy 6, split_with_sizes_copy 6, view 6""")
 
 
 def test_in_place_on_gathered_param_raises(two_ranks):
