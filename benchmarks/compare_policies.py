@@ -11,6 +11,7 @@ FSDP) and with TP (2 dp x 2 tp, sequence parallel), each AC mode asked for:
   fsdp2     FSDP2 ``fully_shard`` (per block + root) with the same AC
   untagged  the tagged runtime with tagging disabled and the policy that gives it
             the same collectives (op-name for zero2, no-fix for zero3): the tag's cost
+  prefetch  tagged with ``prefetch=True`` (only gathers outside AC regions: use --ac none)
 
 Per variant: backward all-gathers on the data-parallel mesh, bytes all-gathered per
 step (FSDP), bytes forward keeps for backward, peak bytes of a step (tracked
@@ -41,7 +42,7 @@ from fsdptag.debug import CollectiveCounter, LiveStorageTracker, disable_tagging
 from fsdptag.launch import spawn
 from fsdptag.models.llama import Llama, LlamaConfig, apply_tp
 
-VARIANTS = ("tagged", "op-name", "no-fix", "fsdp2", "untagged")
+VARIANTS = ("tagged", "op-name", "no-fix", "fsdp2", "untagged")  # also: "prefetch"
 
 
 @dataclass
@@ -82,8 +83,8 @@ def _build(variant, cfg, mesh, tp, reshard, ac, bucket):
         return model
     fsdptag.parametrize(model, mesh, mode="fully_shard", reshard_after_forward=reshard,
                         mp_policy=fsdptag.MixedPrecisionPolicy(torch.bfloat16, torch.float32),
-                        bucket=bucket)
-    if variant == "tagged":
+                        bucket=bucket, prefetch=variant == "prefetch")
+    if variant in ("tagged", "prefetch"):
         fsdptag.apply_ac(model, mode, layer_every=every)
     else:
         policy = {"op-name": "op-name", "no-fix": "no-fix",

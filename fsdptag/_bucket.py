@@ -55,6 +55,24 @@ Note [Bound storage]
 bucket found unbound at gather time (a parameter replaced some other way) packs
 the shards with ``cat`` instead: slower, same result. Rebinding never happens
 during a gather, so a checkpoint region's forward and recompute see the same state.
+
+Note [Prefetch]
+---------------
+With ``parametrize(..., prefetch=True)`` a bucket's gather also issues, without
+waiting, the all-gather of the bucket that gathered right after it in the
+previous forward (the root's forward hooks record that order); that bucket's
+gather then only waits and copies out. On gloo the wait blocks the CPU, so this
+lets gloo's thread move the next block's parameters during this block's compute;
+on NCCL the CPU usually runs ahead of the GPU and overlap happens without it.
+It costs one more gathered bucket alive, as in FSDP2.
+
+Only gathers outside activation-checkpointed regions take part. SAC replays a
+region op by op: a region whose forward only waited for an all-gather issued
+elsewhere could not issue the same ops in its recompute (it would have to
+gather), and an all-gather issued inside region i for block i+1 would belong to
+region i's replay. So under AC on every block prefetch does nothing. An issued
+all-gather nobody claims (the order changed) is waited out at the end of the
+root's forward.
 """
 
 from __future__ import annotations
@@ -121,6 +139,7 @@ class Bucket:
         self.flat: torch.Tensor | None = None  # bound storage (Note [Bound storage])
         self.locals: tuple[torch.Tensor, ...] = ()
         self.scopes: list[tuple] = []  # (checkpoint region, {access: gathered}) per open root forward
+        self.prefetcher: Prefetcher | None = None  # Note [Prefetch]
 
     # ------------------------------------------------------------ storage
 
@@ -178,13 +197,72 @@ class Bucket:
         if region is not _current_region():
             return None
         if not scope:
-            scope.update(self.gather(tagged=tagged))
+            if self.prefetcher is None:
+                scope.update(self.gather(tagged=tagged))
+            else:
+                prefetched = self.prefetcher.take(self, region, tagged)
+                scope.update(self.gather(tagged=tagged, prefetched=prefetched))
+                self.prefetcher.gathered(self, region, tagged)
         return scope[access]
 
-    def gather(self, *, tagged: bool) -> dict:
+    def gather(self, *, tagged: bool, prefetched: torch.Tensor | None = None) -> dict:
         params = [module._parameters[name] for module, name, _ in self.entries]
-        outs = _GatherBucket.apply(self, tagged, *params)
+        outs = _GatherBucket.apply(self, tagged, prefetched, *params)
         return {access: access.on_tp_mesh(out) for (_, _, access), out in zip(self.entries, outs)}
+
+    def _gather_input(self, params, tagged: bool) -> torch.Tensor:
+        """The flat per-rank buffer to all-gather: the bound storage (or the shards
+        packed), tagged, cast to ``param_dtype``."""
+        if self._is_bound(params):
+            flat = FSDPTaggedTensor(self.flat, self.tag) if tagged else self.flat
+        else:
+            flat = self._packed([p._local_tensor for p in params], tagged)
+        if self.param_dtype is not None and self.param_dtype != flat.dtype:
+            flat = flat.to(self.param_dtype)
+        return flat
+
+    def issue_all_gather(self, tagged: bool) -> torch.Tensor:
+        """Start this bucket's all-gather without waiting (Note [Prefetch])."""
+        params = [module._parameters[name] for module, name, _ in self.entries]
+        with torch.no_grad():
+            return c10d.all_gather_into_tensor(self._gather_input(params, tagged), self.world, self.group_name)
+
+
+class Prefetcher:
+    """Issues the next bucket's all-gather when a bucket gathers; see Note [Prefetch].
+
+    The order is the previous forward's: the root module's forward hooks reset it and,
+    at the end of ``forward``, wait out any all-gather no bucket claimed."""
+
+    def __init__(self) -> None:
+        self.order: list[tuple[Bucket, bool]] = []  # (bucket, gathered outside AC) this forward
+        self.next: dict[Bucket, Bucket] = {}  # from the last forward
+        self.pending: dict[Bucket, tuple[bool, torch.Tensor]] = {}  # bucket -> (tagged, all-gather)
+
+    def take(self, bucket: Bucket, region, tagged: bool) -> torch.Tensor | None:
+        entry = self.pending.pop(bucket, None)
+        if entry is None:
+            return None
+        if region is None and entry[0] == tagged:
+            return entry[1]
+        c10d.wait_tensor(entry[1])  # not usable here: finish it and gather afresh
+        return None
+
+    def gathered(self, bucket: Bucket, region, tagged: bool) -> None:
+        self.order.append((bucket, region is None))
+        following = self.next.get(bucket)
+        if region is None and following is not None and following not in self.pending:
+            self.pending[following] = (tagged, following.issue_all_gather(tagged))
+
+    def enter(self, module, args) -> None:
+        self.order = []
+
+    def exit(self, module, args, output) -> None:
+        self.next = {a: b for (a, a_free), (b, b_free) in zip(self.order, self.order[1:])
+                     if a_free and b_free and b.world > 1}
+        for _, unclaimed in self.pending.values():
+            c10d.wait_tensor(unclaimed)
+        self.pending.clear()
 
 
 def _current_region():
@@ -221,7 +299,7 @@ class _GatherBucket(torch.autograd.Function):
     """Gather a bucket (Note [Buckets]); the inputs are the stored DTensor parameters."""
 
     @staticmethod
-    def forward(ctx, bucket: Bucket, tagged: bool, *params: DTensor):
+    def forward(ctx, bucket: Bucket, tagged: bool, prefetched: torch.Tensor | None, *params: DTensor):
         ctx.bucket = bucket
         ctx.specs = [p._spec for p in params]
         ctx.local_shapes = [p._local_tensor.shape for p in params]
@@ -229,16 +307,13 @@ class _GatherBucket(torch.autograd.Function):
         # DDP without a cast gathers nothing: compute reads views of the stored shards,
         # untagged (Note [Marked handout] in _tag.py).
         tagged = tagged and (cast or bucket.world > 1)
-        if bucket._is_bound(params):
-            flat = FSDPTaggedTensor(bucket.flat, bucket.tag) if tagged else bucket.flat
-        else:
-            flat = bucket._packed([p._local_tensor for p in params], tagged)
-        if cast:
-            flat = flat.to(bucket.param_dtype)
-        if bucket.world > 1:
-            gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(flat, bucket.world, bucket.group_name))
+        if prefetched is not None:  # all-gather issued ahead (Note [Prefetch])
+            gathered = c10d.wait_tensor(prefetched)
+        elif bucket.world > 1:
+            gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(
+                bucket._gather_input(params, tagged), bucket.world, bucket.group_name))
         else:  # DDP: the shard is the whole parameter
-            gathered = flat
+            gathered = bucket._gather_input(params, tagged)
         if len(bucket.slots) == 1:  # already laid out rank-major like the parameter
             pieces = [FSDPTaggedTensor(gathered._elem, bucket.tag.parts[0]) if tagged else gathered]
         elif cast or bucket.world > 1:  # each piece tagged as its parameter (FSDPTag.parts)
@@ -278,7 +353,7 @@ class _GatherBucket(torch.autograd.Function):
             if g.dtype != spec.tensor_meta.dtype:
                 g = g.to(spec.tensor_meta.dtype)
             out.append(DTensor(g, spec, requires_grad=False))
-        return (None, None, *out)
+        return (None, None, None, *out)
 
 
 def _contiguous_stride(shape) -> tuple[int, ...]:

@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.placement_types import Placement
 
-from ._bucket import _contiguous_stride, scoped
+from ._bucket import Prefetcher, _contiguous_stride, scoped
 from ._tag import FSDPTag, tag_shard, untag
 
 __all__ = [
@@ -259,6 +259,7 @@ def parametrize(
     mp_policy: MixedPrecisionPolicy | None = None,
     shard_dim: int = 0,
     bucket: BucketPolicy = "blocks",
+    prefetch: bool = False,
 ) -> nn.Module:
     """Make ``model`` data parallel over ``mesh``, SimpleFSDP style, in place.
 
@@ -284,6 +285,11 @@ def parametrize(
     Tied parameters (one tensor registered in several modules) stay one stored
     parameter; a bucket whose root's ``forward`` covers every use gathers it once.
 
+    ``prefetch=True`` issues the next bucket's all-gather (in the previous forward's
+    order) as soon as a bucket has gathered, so it overlaps this bucket's compute;
+    it costs one more gathered bucket alive. It applies to gathers outside
+    activation-checkpointed regions only (Note [Prefetch]).
+
     ``mesh`` is either the data-parallel mesh (1 dim for ``"replicate"`` /
     ``"fully_shard"``, 2 for ``"hybrid_shard"``) or a mesh that also holds the TP
     dims named by the TP parameters' meshes.
@@ -297,6 +303,8 @@ def parametrize(
     from ._plan import plan_parametrization
     from ._reshard import Zero3SavedTensorHooks
 
+    if not isinstance(prefetch, bool):
+        raise TypeError(f"prefetch={prefetch!r} must be a bool")
     plan = plan_parametrization(model, mesh, mode, reshard_after_forward, mp_policy, shard_dim, bucket)
     # Everything above only validated; from here on the model changes.
     handouts = _Handouts()
@@ -308,8 +316,13 @@ def parametrize(
         for name, param in zip(names, sharded):
             module.register_parameter(name, param)
         _swap_class(module, names, accesses)
+    prefetcher = Prefetcher() if prefetch and plan.buckets else None
+    if prefetcher is not None:
+        model.register_forward_pre_hook(prefetcher.enter)
+        model.register_forward_hook(prefetcher.exit, always_call=True)
     for root, buckets in plan.buckets:
         for b in buckets:
+            b.prefetcher = prefetcher
             for _, _, access in b.entries:
                 access.bucket = b
         root.__dict__["_fsdptag_buckets"] = buckets

@@ -27,7 +27,11 @@ def worker_real():
             torch.manual_seed(0)
             model = est.build_model(cfg, mesh, policy=policy, reshard=reshard, ac=ac, mp="bf16")
             tokens = torch.randint(0, cfg.vocab_size, (1, SEQ + 1))
-            out[(reshard, ac, policy)] = est.measure_step(model, tokens)
+            # gloo's thread sometimes frees a collective's buffers late, which can only
+            # add to a real peak (seen: +7% in about one run in ten); the lowest of three
+            # steps is the program's own peak.
+            runs = [est.measure_step(model, tokens) for _ in range(3)]
+            out[(reshard, ac, policy)] = min(runs, key=lambda m: m["peak_bytes"])
     return out
 
 
@@ -47,8 +51,8 @@ def test_estimate_matches_real_run(real, reshard, ac):
               f"real {measured['peak_bytes']} B")
         # A real run can only be higher: gloo's thread may hold a collective's buffers
         # a little past the point where the fake run frees them. Usually the two are
-        # equal to the byte; seen here: fsdptag +0-2.2%, FSDP2 (its c10d Work objects
-        # keep its buffers until gloo finishes them) +0-12%.
+        # equal to the byte; seen in single steps: fsdptag +0-7%, FSDP2 (its c10d Work
+        # objects keep its buffers until gloo finishes them) +0-12%.
         slack = 1.2 if e.policy == "fsdp2" else 1.05
         assert e.peak_bytes <= measured["peak_bytes"] <= slack * e.peak_bytes, (e, measured)
         assert e.param_bytes == measured["param_bytes"]

@@ -37,6 +37,7 @@ def _block_buckets(fqn, module):
 
 
 BUCKETS = {"param": "param", "module": "module", "block": _block_buckets}
+c10d = torch.ops._c10d_functional
 
 
 def _parity(mesh, mode, reshard, *, dp_rank, dp_size, tp_mesh=None, mp=None, bucket="param"):
@@ -281,6 +282,75 @@ def _tagged_dispatches(mesh, r):
     return out
 
 
+class _SkippableNet(models.Net):
+    """Net whose forward can skip its last block (a forward order that changes)."""
+
+    skip_last = False
+
+    def forward(self, tokens):
+        h = self.tok(tokens)
+        for layer in self.layers[: len(self.layers) - self.skip_last]:
+            h = layer(h)
+        return self.head(self.norm(h))
+
+
+class _GatherTrace(TorchDispatchMode):
+    """Bucket all-gathers and waits, by bucket, and block entries, in order."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.events = []
+        self.layers = model.layers
+
+    def __enter__(self):
+        self.hooks = [m.register_forward_pre_hook(lambda m, a, n=n: self.events.append(f"enter {n}"))
+                      for n, m in self.layers.named_children()]
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for h in self.hooks:
+            h.remove()
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        tag = None
+        if func in (c10d.all_gather_into_tensor.default, c10d.wait_tensor.default):
+            tag = fsdptag.get_fsdp_tag(args[0])  # None: a gradient reduction's wait
+        if tag is not None:
+            kind = "AG" if func is c10d.all_gather_into_tensor.default else "wait"
+            phase = "bwd " if torch._C._current_graph_task_id() != -1 else ""
+            self.events.append(f"{phase}{kind} {tag.fqn or 'root'}")
+        return func(*args, **(kwargs or {}))
+
+
+def _prefetch(mesh, r):
+    """Note [Prefetch]: the next bucket's all-gather is issued when a bucket gathers;
+    same numbers as without; nothing under AC; an unclaimed prefetch is waited out."""
+    out = {}
+    tokens, targets = models.batch(0, 2)
+    bf16 = fsdptag.MixedPrecisionPolicy(torch.bfloat16)
+    for zero in (2, 3):
+        for ac in ("none", "selective"):
+            grads, traces = {}, {}
+            for prefetch in (False, True):
+                torch.manual_seed(0)
+                model = _SkippableNet()
+                fsdptag.parametrize(model, mesh, mode="fully_shard", reshard_after_forward=zero == 3,
+                                    mp_policy=bf16, prefetch=prefetch)
+                fsdptag.apply_ac(model, ac)
+                # The first forward records the order; the third skips the last block.
+                for step, skip_last in enumerate((False, False, True, False)):
+                    model.skip_last = skip_last
+                    with _GatherTrace(model) as trace:
+                        models.loss_fn(model(tokens[r]), targets[r]).backward()
+                    traces[prefetch, step] = trace.events
+                grads[prefetch] = [p.grad.to_local().clone() for p in model.parameters()]
+            equal = all(torch.equal(a, b) for a, b in zip(grads[False], grads[True]))
+            out[f"zero{zero} {ac}"] = (f"grads equal: {equal}\n  " + ", ".join(traces[True, 1])
+                                       + "\n  skip: " + ", ".join(traces[True, 2]))
+    return out
+
+
 def _bucket_roots(model):
     return [m for m in model.modules() if "_fsdptag_buckets" in m.__dict__]
 
@@ -486,6 +556,7 @@ def worker_2ranks():
     cases["gather once"] = functools.partial(_gather_once, mesh)
     cases["in place"] = functools.partial(_in_place, mesh)
     cases["tagged dispatches"] = functools.partial(_tagged_dispatches, mesh, r)
+    cases["prefetch"] = functools.partial(_prefetch, mesh, r)
     cases["per-module tags"] = functools.partial(_per_module_tags, mesh)
     cases["meta init"] = functools.partial(_meta_init, mesh)
     cases["bucket storage"] = functools.partial(_bucket_storage, mesh)
@@ -597,6 +668,23 @@ zero2 none: all_gather_into_tensor 3, wait_tensor 3, _to_copy 3, split_with_size
 zero2 selective: all_gather_into_tensor 3, wait_tensor 5, _to_copy 5, detach 2, split_with_sizes_copy 5, view 5
 zero3 none: all_gather_into_tensor 6, wait_tensor 6, _to_copy 6, split_with_sizes_copy 6, view 6
 zero3 selective: all_gather_into_tensor 6, wait_tensor 6, _to_copy 6, split_with_sizes_copy 6, view 6""")
+
+
+def test_prefetch(two_ranks):
+    text = "\n".join(f"{k}: {v}" for k, v in result(two_ranks, "prefetch").items())
+    assert_expected_inline(text, """\
+zero2 none: grads equal: True
+  AG <root>, wait <root>, AG layers.0, enter 0, wait layers.0, AG layers.1, enter 1, wait layers.1
+  skip: AG <root>, wait <root>, AG layers.0, enter 0, wait layers.0, AG layers.1, wait layers.1
+zero2 selective: grads equal: True
+  AG <root>, wait <root>, enter 0, AG layers.0, wait layers.0, enter 1, AG layers.1, wait layers.1, bwd wait layers.1, bwd wait layers.0
+  skip: AG <root>, wait <root>, enter 0, AG layers.0, wait layers.0, bwd wait layers.0
+zero3 none: grads equal: True
+  AG <root>, wait <root>, AG layers.0, enter 0, wait layers.0, AG layers.1, enter 1, wait layers.1, bwd AG <root>, bwd wait <root>, bwd AG layers.1, bwd wait layers.1, bwd AG layers.0, bwd wait layers.0
+  skip: AG <root>, wait <root>, AG layers.0, enter 0, wait layers.0, AG layers.1, wait layers.1, bwd AG <root>, bwd wait <root>, bwd AG layers.0, bwd wait layers.0
+zero3 selective: grads equal: True
+  AG <root>, wait <root>, enter 0, AG layers.0, wait layers.0, enter 1, AG layers.1, wait layers.1, bwd AG <root>, bwd wait <root>, bwd AG layers.1, bwd wait layers.1, bwd AG layers.0, bwd wait layers.0
+  skip: AG <root>, wait <root>, enter 0, AG layers.0, wait layers.0, bwd AG <root>, bwd wait <root>, bwd AG layers.0, bwd wait layers.0""")
 
 
 def test_in_place_on_gathered_param_raises(two_ranks):
