@@ -87,7 +87,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
 
-from ._tag import FSDPTag, FSDPTaggedTensor, mark_gathered
+from ._tag import FSDPTag, FSDPTaggedTensor, in_place_error, mark_gathered
 
 c10d = torch.ops._c10d_functional
 
@@ -138,7 +138,8 @@ class Bucket:
         self.split_sizes = [slot.numel for slot in self.slots]
         self.flat: torch.Tensor | None = None  # bound storage (Note [Bound storage])
         self.locals: tuple[torch.Tensor, ...] = ()
-        self.scopes: list[tuple] = []  # (checkpoint region, {access: gathered}) per open root forward
+        # per open root forward: (checkpoint region, {access: gathered}, {access: version})
+        self.scopes: list[tuple] = []
         self.prefetcher: Prefetcher | None = None  # Note [Prefetch]
 
     # ------------------------------------------------------------ storage
@@ -193,7 +194,7 @@ class Bucket:
         from another checkpoint region than the scope's (Note [Buckets])."""
         if not self.scopes:
             return None
-        region, scope = self.scopes[-1]
+        region, scope, versions = self.scopes[-1]
         if region is not _current_region():
             return None
         if not scope:
@@ -203,7 +204,16 @@ class Bucket:
                 prefetched = self.prefetcher.take(self, region, tagged)
                 scope.update(self.gather(tagged=tagged, prefetched=prefetched))
                 self.prefetcher.gathered(self, region, tagged)
+            if not torch.is_inference_mode_enabled():  # inference tensors have no version
+                versions.update((a, t._version) for a, t in scope.items())
         return scope[access]
+
+    def check_unchanged(self, scope: dict, versions: dict) -> None:
+        """Raise if compute changed a gathered parameter of ``scope`` in place: the
+        plain handout cannot refuse the op itself (Note [Marked handout] in _tag.py)."""
+        for access, version in versions.items():
+            if scope[access]._version != version:
+                raise in_place_error(access.tag.fqn, "an in-place op during forward")
 
     def gather(self, *, tagged: bool, prefetched: torch.Tensor | None = None) -> dict:
         params = [module._parameters[name] for module, name, _ in self.entries]
@@ -277,9 +287,11 @@ def _current_region():
 def _open_scopes(buckets):
     region = _current_region()
     for b in buckets:
-        b.scopes.append((region, {}))
+        b.scopes.append((region, {}, {}))
     try:
         yield
+        for b in buckets:  # not on the way out of an error: that error is the one to see
+            b.check_unchanged(*b.scopes[-1][1:])
     finally:
         for b in buckets:
             b.scopes.pop()

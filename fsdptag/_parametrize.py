@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping, Union
 
@@ -33,7 +34,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.placement_types import Placement
 
 from ._bucket import Prefetcher, _contiguous_stride, scoped
-from ._tag import FSDPTag, tag_shard, untag
+from ._tag import FSDPTag, in_place_error, tag_shard, untag
 
 __all__ = [
     "DataParallelMode",
@@ -174,11 +175,11 @@ class _ParamAccess:
     def __call__(self, stored: DTensor) -> torch.Tensor:
         if not _state.active:
             return stored
-        gathered = None
         if self.bucket is not None:
             gathered = self.bucket.lookup(self, _state.tagging)
-        if gathered is None:
-            gathered = self.gather(stored, tagged=_state.tagging)
+            if gathered is not None:
+                return gathered
+        gathered = self.gather(stored, tagged=_state.tagging)
         self.handouts.record(gathered, self.tag.fqn)
         return gathered
 
@@ -211,16 +212,15 @@ class _ParamAccess:
 
 
 class _Handouts:
-    """Root-module forward hooks that reject in-place changes to gathered parameters.
+    """Root-module forward hooks that reject in-place changes to parameters gathered
+    alone (a bucket's are checked when its root's ``forward`` returns).
 
     A gathered parameter is a temporary copy (or, zero2 under AC, recomputed in
     backward), so an in-place op on it inside ``forward`` would be lost or make
     forward and backward disagree. Compute gets plain tensors (Note [Marked
-    handout] in ``_tag.py``), which cannot refuse the op, so every parameter handed
-    out during the root's ``forward`` is recorded with its version counter and
-    checked when the ``forward`` returns: ~0.2 µs per access instead of a subclass
-    dispatch per op. (With grad enabled autograd usually refuses first: the bucket's
-    parameters are views returned by a custom Function.)
+    handout] in ``_tag.py``), which cannot refuse the op, so each one is recorded
+    with its version counter and checked when the root's ``forward`` returns, if it
+    is still alive: held by a weak reference, so zero3 still frees it.
     """
 
     def __init__(self) -> None:
@@ -228,7 +228,7 @@ class _Handouts:
 
     def record(self, t: torch.Tensor, fqn: str) -> None:
         if self._open and not torch.is_inference_mode_enabled():  # inference tensors have no version
-            self._open[-1].append((t, t._version, fqn))
+            self._open[-1].append((weakref.ref(t), t._version, fqn))
 
     def enter(self, module, args) -> None:
         self._open.append([])
@@ -237,14 +237,10 @@ class _Handouts:
         handed = self._open.pop()
         if output is None:  # forward raised (always_call hook): its error is the one to see
             return
-        for t, version, fqn in handed:
-            if t._version != version:
-                raise RuntimeError(
-                    f"fsdptag: the gathered parameter {fqn!r} was modified in place during "
-                    "forward. The gathered copy is temporary, so the change would be lost; "
-                    "modify the stored parameter inside "
-                    "`with fsdptag.disable_active_parametrization():`."
-                )
+        for ref, version, fqn in handed:
+            t = ref()
+            if t is not None and t._version != version:
+                raise in_place_error(fqn, "an in-place op during forward")
 
 
 # ---------------------------------------------------------------- entry point

@@ -135,13 +135,18 @@ class FSDPTaggedTensor(torch.Tensor):
         tag, inner_args, inner_kwargs = _unwrap(args, kwargs)
         rule = _TAG_TABLE.get(func)
         if rule is None and _is_mutable(func):
-            raise RuntimeError(
-                f"fsdptag: in-place op {func} on the gathered parameter {tag.fqn!r}. "
-                "The gathered copy is temporary, so the change would be lost; modify the "
-                "stored parameter inside `with fsdptag.disable_active_parametrization():`."
-            )
+            raise in_place_error(tag.fqn, f"in-place op {func}")
         out = func._op(*inner_args, **inner_kwargs)  # the C++ op: skips OpOverload.__call__
         return out if rule is None else rule(func, tag, args, kwargs, out)
+
+
+def in_place_error(fqn: str, what: str) -> RuntimeError:
+    """The error for changing a gathered parameter in place (``what`` names the op)."""
+    return RuntimeError(
+        f"fsdptag: {what} on the gathered parameter {fqn!r}. The gathered copy is "
+        "temporary, so the change would be lost; modify the stored parameter inside "
+        "`with fsdptag.disable_active_parametrization():`."
+    )
 
 
 # ---------------------------------------------------------------- unwrapping
@@ -369,7 +374,9 @@ def tag_shard(shard: torch.Tensor, tag: FSDPTag) -> torch.Tensor:
 class _Untag(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gathered: FSDPTaggedTensor) -> torch.Tensor:
-        return mark_gathered(gathered._elem, gathered.tag)
+        inner = mark_gathered(gathered._elem, gathered.tag)
+        # A view made here: autograd then refuses in-place ops on it while grad is on.
+        return inner.view_as(inner)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

@@ -173,27 +173,32 @@ def _gather_once(mesh):
 class _ScaleInForward(nn.Module):
     """Modifies its gathered weight in place inside forward (a user error)."""
 
-    def __init__(self, grad_mode: bool) -> None:
+    def __init__(self, how: str | None) -> None:
         super().__init__()
         self.lin = nn.Linear(6, 6)
-        self.grad_mode = grad_mode
+        self.how = how  # "grad on" | "grad off" | "grad off, kept" | None: leave it alone
+        self.kept = None
 
     def forward(self, x):
-        if self.grad_mode is not None:
-            with torch.set_grad_enabled(self.grad_mode and torch.is_grad_enabled()):
-                self.lin.weight.mul_(2)
+        if self.how is not None:
+            w = self.lin.weight
+            with torch.set_grad_enabled(self.how == "grad on"):
+                w.mul_(2)
+            if self.how.endswith("kept"):
+                self.kept = w
         return self.lin(x)
 
 
 def _in_place(mesh):
-    """An in-place op on a gathered parameter raises (fsdptag's error, or autograd's first
-    when grad is on and the parameter is a view returned by the bucket gather) and
-    leaves the stored parameter alone; the model keeps working."""
+    """An in-place op on a gathered parameter raises (autograd's error first when grad is
+    on: the parameter is a view returned by a custom Function) and leaves the stored
+    parameter alone; the model keeps working. A parameter gathered alone is checked
+    at the end of forward if still alive (a modified copy nobody keeps is just lost)."""
     out = {}
     for bucket in ("param", "block"):
-        for grad_mode in (True, False):
+        for how in ("grad on", "grad off", "grad off, kept"):
             torch.manual_seed(0)
-            model = fsdptag.parametrize(nn.Sequential(_ScaleInForward(grad_mode)), mesh,
+            model = fsdptag.parametrize(nn.Sequential(_ScaleInForward(how)), mesh,
                                         mode="fully_shard", bucket=BUCKETS[bucket])
             before = model[0].lin._parameters["weight"].full_tensor().clone()
             try:
@@ -201,10 +206,10 @@ def _in_place(mesh):
                 error = "no error"
             except RuntimeError as e:
                 error = str(e).split(". ")[0]
-            model[0].grad_mode = None  # forward now leaves the weight alone
+            model[0].how = model[0].kept = None
             model(torch.randn(2, 6)).sum().backward()
             same = torch.equal(before, model[0].lin._parameters["weight"].full_tensor())
-            out[f"{bucket} grad={'on' if grad_mode else 'off'}"] = f"{error} | stored unchanged: {same}"
+            out[f"{bucket}, {how}"] = f"{error} | stored unchanged: {same}"
     return out
 
 
@@ -690,10 +695,12 @@ zero3 selective: grads equal: True
 def test_in_place_on_gathered_param_raises(two_ranks):
     text = "\n".join(f"{k}: {v}" for k, v in result(two_ranks, "in place").items())
     assert_expected_inline(text, """\
-param grad=on: fsdptag: the gathered parameter '0.lin.weight' was modified in place during forward | stored unchanged: True
-param grad=off: fsdptag: the gathered parameter '0.lin.weight' was modified in place during forward | stored unchanged: True
-block grad=on: Output 0 of _GatherBucket is a view and is being modified inplace | stored unchanged: True
-block grad=off: fsdptag: the gathered parameter '0.lin.weight' was modified in place during forward | stored unchanged: True""")
+param, grad on: Output 0 of _Untag is a view and is being modified inplace | stored unchanged: True
+param, grad off: no error | stored unchanged: True
+param, grad off, kept: fsdptag: an in-place op during forward on the gathered parameter '0.lin.weight' | stored unchanged: True
+block, grad on: Output 0 of _GatherBucket is a view and is being modified inplace | stored unchanged: True
+block, grad off: Output 0 of _GatherBucket is a view and its base or another view of its base has been modified inplace | stored unchanged: True
+block, grad off, kept: Output 0 of _GatherBucket is a view and its base or another view of its base has been modified inplace | stored unchanged: True""")
 
 
 def test_state_dict_has_no_collective(two_ranks):
