@@ -91,14 +91,15 @@ def _collectives(mesh, mode, reshard, *, tp_mesh=None, dp_rank=0, dp_size=1, buc
 
 
 def _kept_bytes(mesh, reshard):
+    """Bytes forward keeps for backward, and the peak during forward."""
     model = models.make_net()
     fsdptag.parametrize(model, mesh, mode="fully_shard", reshard_after_forward=reshard)
     tokens, targets = models.batch(0, mesh.size())
-    with LiveStorageTracker() as mem:
+    with LiveStorageTracker(track_peak=True) as mem:
         loss = models.loss_fn(model(tokens[mesh.get_local_rank()]), targets[mesh.get_local_rank()])
     kept = mem.live_bytes()
     loss.backward()
-    return kept
+    return kept, mem.peak_bytes
 
 
 def _weights_backward_needs() -> int:
@@ -638,9 +639,12 @@ backward all_reduce dp x3""")
 
 
 def test_zero3_frees_gathered_params(two_ranks):
-    kept2, kept3 = result(two_ranks, "kept zero2"), result(two_ranks, "kept zero3")
+    (kept2, peak2), (kept3, peak3) = result(two_ranks, "kept zero2"), result(two_ranks, "kept zero3")
     needed = _weights_backward_needs()
     assert abs((kept2 - kept3) - needed) <= 0.05 * needed, (kept2, kept3, needed)
+    # ... and during forward: block 0's gathered parameters are gone before block 1 ends.
+    block = sum(p.numel() * p.element_size() for p in models.make_net().layers[0].parameters())
+    assert peak2 - peak3 >= 0.95 * block, (peak2, peak3, block)
 
 
 def test_bf16_matches_fsdp2(two_ranks):
