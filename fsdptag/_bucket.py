@@ -79,7 +79,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -138,8 +138,7 @@ class Bucket:
         self.split_sizes = [slot.numel for slot in self.slots]
         self.flat: torch.Tensor | None = None  # bound storage (Note [Bound storage])
         self.locals: tuple[torch.Tensor, ...] = ()
-        # per open root forward: (checkpoint region, {access: gathered}, {access: version})
-        self.scopes: list[tuple] = []
+        self.scopes: list[_Scope] = []  # one per open root forward
         self.prefetcher: Prefetcher | None = None  # Note [Prefetch]
 
     # ------------------------------------------------------------ storage
@@ -194,25 +193,33 @@ class Bucket:
         from another checkpoint region than the scope's (Note [Buckets])."""
         if not self.scopes:
             return None
-        region, scope, versions = self.scopes[-1]
-        if region is not _current_region():
+        scope = self.scopes[-1]
+        if scope.region is not _current_region():
             return None
-        if not scope:
+        if not scope.gathered:
             if self.prefetcher is None:
-                scope.update(self.gather(tagged=tagged))
+                scope.gathered.update(self.gather(tagged=tagged))
             else:
-                prefetched = self.prefetcher.take(self, region, tagged)
-                scope.update(self.gather(tagged=tagged, prefetched=prefetched))
-                self.prefetcher.gathered(self, region, tagged)
-            if not torch.is_inference_mode_enabled():  # inference tensors have no version
-                versions.update((a, t._version) for a, t in scope.items())
-        return scope[access]
+                prefetched = self.prefetcher.take(self, scope.region, tagged)
+                scope.gathered.update(self.gather(tagged=tagged, prefetched=prefetched))
+                del prefetched  # the all-gather output: gone before the next one starts
+                self.prefetcher.gathered(self, scope.region, tagged)
+            # DDP without a cast hands out the stored parameters themselves, as plain DDP
+            # does; inference tensors have no version counter.
+            if self.copies() and not torch.is_inference_mode_enabled():
+                scope.versions = {a: t._version for a, t in scope.gathered.items()}
+        return scope.gathered[access]
 
-    def check_unchanged(self, scope: dict, versions: dict) -> None:
+    def copies(self) -> bool:
+        """Whether a gather makes new tensors (a collective or a cast)."""
+        module, name, _ = self.entries[0]
+        return self.world > 1 or self.param_dtype not in (None, module._parameters[name].dtype)
+
+    def check_unchanged(self, scope: _Scope) -> None:
         """Raise if compute changed a gathered parameter of ``scope`` in place: the
         plain handout cannot refuse the op itself (Note [Marked handout] in _tag.py)."""
-        for access, version in versions.items():
-            if scope[access]._version != version:
+        for access, version in scope.versions.items():
+            if scope.gathered[access]._version != version:
                 raise in_place_error(access.tag.fqn, "an in-place op during forward")
 
     def gather(self, *, tagged: bool, prefetched: torch.Tensor | None = None) -> dict:
@@ -238,38 +245,60 @@ class Bucket:
             return c10d.all_gather_into_tensor(self._gather_input(params, tagged), self.world, self.group_name)
 
 
+@dataclass
+class _Scope:
+    """One open bucket-root ``forward``: its checkpoint region (Note [Buckets]), the
+    gathered parameters it serves and their version counters when gathered."""
+
+    region: object
+    gathered: dict = field(default_factory=dict)
+    versions: dict = field(default_factory=dict)
+
+
 class Prefetcher:
     """Issues the next bucket's all-gather when a bucket gathers; see Note [Prefetch].
 
-    The order is the previous forward's: the root module's forward hooks reset it and,
-    at the end of ``forward``, wait out any all-gather no bucket claimed."""
+    The order is the previous forward's. Only gathers during the root's forward take
+    part, not a checkpoint's recompute in backward (whose prefetch nobody would
+    claim before the optimizer changes the parameters)."""
 
     def __init__(self) -> None:
+        self.active = False  # inside the root's forward
         self.order: list[tuple[Bucket, bool]] = []  # (bucket, gathered outside AC) this forward
         self.next: dict[Bucket, Bucket] = {}  # from the last forward
         self.pending: dict[Bucket, tuple[bool, torch.Tensor]] = {}  # bucket -> (tagged, all-gather)
+
+    def _in_forward(self) -> bool:
+        return self.active and torch._C._current_graph_task_id() == -1
 
     def take(self, bucket: Bucket, region, tagged: bool) -> torch.Tensor | None:
         entry = self.pending.pop(bucket, None)
         if entry is None:
             return None
-        if region is None and entry[0] == tagged:
+        if self._in_forward() and region is None and entry[0] == tagged:
             return entry[1]
         c10d.wait_tensor(entry[1])  # not usable here: finish it and gather afresh
         return None
 
     def gathered(self, bucket: Bucket, region, tagged: bool) -> None:
+        if not self._in_forward():
+            return
         self.order.append((bucket, region is None))
         following = self.next.get(bucket)
         if region is None and following is not None and following not in self.pending:
             self.pending[following] = (tagged, following.issue_all_gather(tagged))
 
     def enter(self, module, args) -> None:
-        self.order = []
+        self._drain()
+        self.active, self.order = True, []
 
-    def exit(self, module, args, output) -> None:
+    def exit(self, module, args, output) -> None:  # always called, also when forward raised
+        self.active = False
         self.next = {a: b for (a, a_free), (b, b_free) in zip(self.order, self.order[1:])
                      if a_free and b_free and b.world > 1}
+        self._drain()
+
+    def _drain(self) -> None:
         for _, unclaimed in self.pending.values():
             c10d.wait_tensor(unclaimed)
         self.pending.clear()
@@ -287,11 +316,11 @@ def _current_region():
 def _open_scopes(buckets):
     region = _current_region()
     for b in buckets:
-        b.scopes.append((region, {}, {}))
+        b.scopes.append(_Scope(region))
     try:
         yield
         for b in buckets:  # not on the way out of an error: that error is the one to see
-            b.check_unchanged(*b.scopes[-1][1:])
+            b.check_unchanged(b.scopes[-1])
     finally:
         for b in buckets:
             b.scopes.pop()
@@ -327,20 +356,23 @@ class _GatherBucket(torch.autograd.Function):
         else:  # DDP: the shard is the whole parameter
             gathered = bucket._gather_input(params, tagged)
         if len(bucket.slots) == 1:  # already laid out rank-major like the parameter
-            pieces = [FSDPTaggedTensor(gathered._elem, bucket.tag.parts[0]) if tagged else gathered]
+            pieces = [gathered]
         elif cast or bucket.world > 1:  # each piece tagged as its parameter (FSDPTag.parts)
             pieces = torch.split_with_sizes_copy(
                 gathered.view(bucket.world, bucket.numel), bucket.split_sizes, dim=1)
         else:
             pieces = torch.split_with_sizes(gathered, bucket.split_sizes)
         if tagged:  # compute gets plain tensors (Note [Marked handout] in _tag.py)
-            pieces = [mark_gathered(p._elem, p.tag) for p in pieces]
+            pieces = [mark_gathered(p._elem, tag) for p, tag in zip(pieces, bucket.tag.parts)]
         outs = []
         for slot, p in zip(bucket.slots, pieces):
             p = p.view(bucket.world * slot.padded_rows, *slot.rest)
             if p.shape[0] != slot.rows:
                 p = p.narrow(0, 0, slot.rows)
-            outs.append(p)
+            # A copy is returned as a view made here, which autograd refuses to change in
+            # place while grad is on. DDP without a cast returns the stored parameter
+            # itself (an alias that is no view), which may change in place as in plain DDP.
+            outs.append(p if cast or bucket.world > 1 else p.detach())
         return tuple(outs)
 
     @staticmethod

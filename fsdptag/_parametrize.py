@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.placement_types import Placement
 
 from ._bucket import Prefetcher, _contiguous_stride, scoped
-from ._tag import FSDPTag, in_place_error, tag_shard, untag
+from ._tag import FSDPTag, FSDPTaggedTensor, alias, in_place_error, refuse_in_place, tag_shard, untag
 
 __all__ = [
     "DataParallelMode",
@@ -158,7 +158,9 @@ class _ParamAccess:
         self.tag = tag
         self.dp_mesh = dp_mesh
         self.dp_placements = dp_placements
-        self.replicated = all(isinstance(p, Replicate) for p in dp_placements)  # DDP
+        # Whether the gather runs a collective: not for DDP, nor over a size-1 shard dim.
+        self.collective = any(not isinstance(p, Replicate) and dp_mesh.size(i) > 1
+                              for i, p in enumerate(dp_placements))
         self.dp_shape = dp_shape  # shape of the tensor the dp mesh shards (TP-local for TP params)
         self.dp_stride = _contiguous_stride(dp_shape)
         self.compute_placements = (Replicate(),) * dp_mesh.ndim
@@ -180,14 +182,20 @@ class _ParamAccess:
             if gathered is not None:
                 return gathered
         gathered = self.gather(stored, tagged=_state.tagging)
-        self.handouts.record(gathered, self.tag.fqn)
+        if self.copies(stored):  # otherwise the handout is the stored parameter itself
+            self.handouts.record(gathered, self.tag.fqn)
         return gathered
+
+    def copies(self, stored: DTensor) -> bool:
+        """Whether a gather makes a new tensor (a collective or a cast); DDP without a
+        cast hands out the stored parameter itself, as plain DDP does."""
+        return self.collective or self.param_dtype not in (None, stored.dtype)
 
     def gather(self, stored: DTensor, *, tagged: bool) -> torch.Tensor:
         """All-gather ``stored`` over the dp mesh; differentiable."""
         local = stored.to_local()
-        # DDP without a cast gathers nothing: no tag (Note [Marked handout] in _tag.py)
-        tagged = tagged and not (self.replicated and self.param_dtype in (None, stored.dtype))
+        copies = self.copies(stored)
+        tagged = tagged and copies  # no FSDP op, no tag (Note [Marked handout] in _tag.py)
         if tagged:
             local = tag_shard(local, self.tag)
         sharded = DTensor.from_local(
@@ -198,7 +206,12 @@ class _ParamAccess:
             self.dp_mesh, self.compute_placements,
             forward_dtype=self.param_dtype, backward_dtype=self.reduce_dtype,
         ).to_local(grad_placements=self.grad_placements)
-        return self.on_tp_mesh(untag(full) if tagged else full)
+        if type(full) is FSDPTaggedTensor:  # (under inference_mode DTensor drops the tag)
+            full = untag(full)
+        if not copies:  # the stored parameter itself, which may change in place as in plain DDP
+            return self.on_tp_mesh(alias(full))
+        out = self.on_tp_mesh(full)
+        return refuse_in_place(out) if self.tp_mesh is not None else out
 
     def on_tp_mesh(self, full: torch.Tensor) -> torch.Tensor:
         """The gathered (TP-local) tensor as compute sees it: a DTensor on the TP mesh
@@ -218,26 +231,26 @@ class _Handouts:
     A gathered parameter is a temporary copy (or, zero2 under AC, recomputed in
     backward), so an in-place op on it inside ``forward`` would be lost or make
     forward and backward disagree. Compute gets plain tensors (Note [Marked
-    handout] in ``_tag.py``), which cannot refuse the op, so each one is recorded
-    with its version counter and checked when the root's ``forward`` returns, if it
-    is still alive: held by a weak reference, so zero3 still frees it.
+    handout] in ``_tag.py``), which cannot refuse the op themselves; with grad on,
+    autograd refuses it (the handout is a view returned by a custom Function).
+    Otherwise each handout is recorded with its version counter and checked when
+    the root's ``forward`` returns, if still alive: held by a weak reference, so
+    zero3 still frees it, and a modified copy that nobody keeps is just lost.
     """
 
     def __init__(self) -> None:
-        self._open: list[list] = []
+        self._frame: list | None = None  # this forward's handouts; None outside forward
 
     def record(self, t: torch.Tensor, fqn: str) -> None:
-        if self._open and not torch.is_inference_mode_enabled():  # inference tensors have no version
-            self._open[-1].append((weakref.ref(t), t._version, fqn))
+        if self._frame is not None and not torch.is_inference_mode_enabled():  # no versions there
+            self._frame.append((weakref.ref(t), t._version, fqn))
 
     def enter(self, module, args) -> None:
-        self._open.append([])
+        self._frame = []  # (a forward that raised leaves its frame: replaced here)
 
-    def exit(self, module, args, output) -> None:
-        handed = self._open.pop()
-        if output is None:  # forward raised (always_call hook): its error is the one to see
-            return
-        for ref, version, fqn in handed:
+    def exit(self, module, args, output) -> None:  # not called when forward raised
+        handed, self._frame = self._frame, None
+        for ref, version, fqn in handed or ():
             t = ref()
             if t is not None and t._version != version:
                 raise in_place_error(fqn, "an in-place op during forward")
@@ -305,7 +318,7 @@ def parametrize(
     # Everything above only validated; from here on the model changes.
     handouts = _Handouts()
     model.register_forward_pre_hook(handouts.enter)
-    model.register_forward_hook(handouts.exit, always_call=True)
+    model.register_forward_hook(handouts.exit)
     for _, _, access in plan.accesses.values():
         access.handouts = handouts
     for module, names, accesses, sharded in plan.modules:

@@ -60,6 +60,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
@@ -295,11 +296,13 @@ def mark_gathered(t: torch.Tensor, tag: FSDPTag) -> torch.Tensor:
 
 
 def _mark_of(t: torch.Tensor) -> FSDPTag | None:
-    try:
-        storage = t.untyped_storage()  # ~0.1 µs with the lookup
-    except (RuntimeError, NotImplementedError):  # no storage: sparse, nested, other wrappers
+    """The mark on ``t``'s storage; only plain (or fake, in the estimator) strided
+    tensors carry one, and other wrappers may have no storage to ask."""
+    if not (type(t) is torch.Tensor or isinstance(t, (torch.nn.Parameter, FakeTensor))):
         return None
-    return getattr(storage, _MARK, None)
+    if t.layout is not torch.strided or t.is_nested:
+        return None
+    return getattr(t.untyped_storage(), _MARK, None)  # ~0.1 µs
 
 
 def get_fsdp_tag(t: Any) -> FSDPTag | None:
@@ -308,7 +311,7 @@ def get_fsdp_tag(t: Any) -> FSDPTag | None:
     while not isinstance(t, FSDPTaggedTensor):
         inner = _peel(t)
         if inner is None:
-            return _mark_of(t) if isinstance(t, torch.Tensor) else None
+            return _mark_of(t)
         t = inner
     return t.tag
 
@@ -387,3 +390,35 @@ def untag(gathered: FSDPTaggedTensor) -> torch.Tensor:
     """Differentiably unwrap the last tagged tensor of a gather into the marked plain
     tensor compute receives (Note [Marked handout])."""
     return _Untag.apply(gathered)
+
+
+class _ViewOut(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t: torch.Tensor) -> torch.Tensor:
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad
+
+
+def refuse_in_place(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a view returned by a custom Function: autograd refuses in-place ops on
+    it while grad is on (for handouts that are not such a view already, e.g. DTensors)."""
+    return _ViewOut.apply(t)
+
+
+class _Alias(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t: torch.Tensor) -> torch.Tensor:
+        return t.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad
+
+
+def alias(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as an alias that autograd does not treat as a view, so in-place ops on it
+    are allowed (a DDP parameter handed out without a copy)."""
+    return _Alias.apply(t)

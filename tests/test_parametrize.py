@@ -16,6 +16,7 @@ from expecttest import assert_expected_inline
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
 
 import fsdptag
 from fsdptag import FSDPTaggedTensor
@@ -190,27 +191,57 @@ class _ScaleInForward(nn.Module):
         return self.lin(x)
 
 
-def _in_place(mesh):
+def _in_place(mesh, mesh_tp):
     """An in-place op on a gathered parameter raises (autograd's error first when grad is
     on: the parameter is a view returned by a custom Function) and leaves the stored
     parameter alone; the model keeps working. A parameter gathered alone is checked
-    at the end of forward if still alive (a modified copy nobody keeps is just lost)."""
+    at the end of forward if still alive (a modified copy nobody keeps is just lost).
+    DDP without a cast hands out the stored parameter itself, as plain DDP does."""
+    out = {}
+    rows = [(bucket, how, "") for bucket in ("param", "block")
+            for how in ("grad on", "grad off", "grad off, kept")]
+    rows += [("block", "grad off", "no_grad forward"), ("param", "grad off, kept", "no_grad forward"),
+             ("param", "grad on", "TP"), ("block", "grad on", "TP"),
+             ("block", "grad off", "replicate"), ("param", "grad off", "replicate")]
+    for bucket, how, extra in rows:
+        torch.manual_seed(0)
+        model = nn.Sequential(_ScaleInForward(how))
+        if extra == "TP":
+            parallelize_module(model[0], mesh_tp["tp"], {"lin": ColwiseParallel()})
+        fsdptag.parametrize(model, mesh_tp if extra == "TP" else mesh,
+                            mode="replicate" if extra == "replicate" else "fully_shard",
+                            bucket=BUCKETS[bucket])
+        before = model[0].lin._parameters["weight"].full_tensor().clone()
+        try:
+            if extra == "no_grad forward":
+                with torch.no_grad():
+                    model(torch.randn(2, 6))
+            else:
+                model(torch.randn(2, 6)).sum().backward()
+            error = "no error"
+        except RuntimeError as e:
+            error = str(e).split(". ")[0]
+        model[0].how = model[0].kept = None
+        model(torch.randn(2, 6)).sum().backward()
+        same = torch.equal(before, model[0].lin._parameters["weight"].full_tensor())
+        out[f"{bucket}, {how}{', ' + extra if extra else ''}"] = f"{error} | stored unchanged: {same}"
+    return out
+
+
+def _inference(mesh, r):
+    """Forward under inference_mode gives what no_grad gives (the per-parameter path
+    loses the tag inside DTensor there: nothing to checkpoint, so nothing to mark)."""
+    tokens, _ = models.batch(0, 2)
     out = {}
     for bucket in ("param", "block"):
-        for how in ("grad on", "grad off", "grad off, kept"):
-            torch.manual_seed(0)
-            model = fsdptag.parametrize(nn.Sequential(_ScaleInForward(how)), mesh,
-                                        mode="fully_shard", bucket=BUCKETS[bucket])
-            before = model[0].lin._parameters["weight"].full_tensor().clone()
-            try:
-                model(torch.randn(2, 6)).sum().backward()
-                error = "no error"
-            except RuntimeError as e:
-                error = str(e).split(". ")[0]
-            model[0].how = model[0].kept = None
-            model(torch.randn(2, 6)).sum().backward()
-            same = torch.equal(before, model[0].lin._parameters["weight"].full_tensor())
-            out[f"{bucket}, {how}"] = f"{error} | stored unchanged: {same}"
+        for zero in (2, 3):
+            model = fsdptag.parametrize(models.make_net(), mesh, mode="fully_shard",
+                                        reshard_after_forward=zero == 3, bucket=BUCKETS[bucket])
+            with torch.no_grad():
+                expected = model(tokens[r])
+            with torch.inference_mode():
+                got = model(tokens[r])
+            out[f"{bucket} zero{zero}"] = torch.equal(expected, got)
     return out
 
 
@@ -289,14 +320,16 @@ def _tagged_dispatches(mesh, r):
 
 
 class _SkippableNet(models.Net):
-    """Net whose forward can skip its last block (a forward order that changes)."""
+    """Net whose forward can skip its last block (a forward order that changes), and
+    checkpoint its blocks with torch's plain (non-selective) checkpoint."""
 
     skip_last = False
+    plain_checkpoint = False
 
     def forward(self, tokens):
         h = self.tok(tokens)
         for layer in self.layers[: len(self.layers) - self.skip_last]:
-            h = layer(h)
+            h = checkpoint(layer, h, use_reentrant=False) if self.plain_checkpoint else layer(h)
         return self.head(self.norm(h))
 
 
@@ -331,27 +364,34 @@ class _GatherTrace(TorchDispatchMode):
 
 def _prefetch(mesh, r):
     """Note [Prefetch]: the next bucket's all-gather is issued when a bucket gathers;
-    same numbers as without; nothing under AC; an unclaimed prefetch is waited out."""
+    same numbers as without (over optimizer steps); nothing under selective AC or in a
+    plain checkpoint's recompute; an unclaimed prefetch is waited out."""
     out = {}
     tokens, targets = models.batch(0, 2)
     bf16 = fsdptag.MixedPrecisionPolicy(torch.bfloat16)
     for zero in (2, 3):
-        for ac in ("none", "selective"):
+        for ac in ("none", "selective", "plain checkpoint"):
             grads, traces = {}, {}
             for prefetch in (False, True):
                 torch.manual_seed(0)
                 model = _SkippableNet()
                 fsdptag.parametrize(model, mesh, mode="fully_shard", reshard_after_forward=zero == 3,
                                     mp_policy=bf16, prefetch=prefetch)
-                fsdptag.apply_ac(model, ac)
+                model.plain_checkpoint = ac == "plain checkpoint"
+                fsdptag.apply_ac(model, "none" if model.plain_checkpoint else ac)
+                optim = torch.optim.SGD(model.parameters(), lr=0.1)
                 # The first forward records the order; the third skips the last block.
                 for step, skip_last in enumerate((False, False, True, False)):
                     model.skip_last = skip_last
                     with _GatherTrace(model) as trace:
                         models.loss_fn(model(tokens[r]), targets[r]).backward()
                     traces[prefetch, step] = trace.events
-                grads[prefetch] = [p.grad.to_local().clone() for p in model.parameters()]
-            equal = all(torch.equal(a, b) for a, b in zip(grads[False], grads[True]))
+                    grads[prefetch, step] = [None if p.grad is None else p.grad.to_local().clone()
+                                             for p in model.parameters()]
+                    optim.step()
+                    optim.zero_grad()
+            equal = all(a is b is None or torch.equal(a, b) for step in range(4)
+                        for a, b in zip(grads[False, step], grads[True, step]))
             out[f"zero{zero} {ac}"] = (f"grads equal: {equal}\n  " + ", ".join(traces[True, 1])
                                        + "\n  skip: " + ", ".join(traces[True, 2]))
     return out
@@ -532,6 +572,8 @@ def _bad_input(mesh, mesh2d):
 def worker_2ranks():
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     mesh2d = init_device_mesh("cpu", (1, 2), mesh_dim_names=("a", "b"))
+    mesh_tp1 = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))  # TP of size 1
+    hsdp_2x1 = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
     r = dist.get_rank()
     cases = {}
     for mode in ("replicate", "fully_shard"):
@@ -547,6 +589,11 @@ def worker_2ranks():
                 _parity, mesh, "fully_shard", reshard, dp_rank=r, dp_size=2, bucket=bucket)
             cases[f"collectives fully_shard bucket={bucket} {z}"] = functools.partial(
                 _collectives, mesh, "fully_shard", reshard, dp_rank=r, dp_size=2, bucket=bucket)
+    for bucket in ("param", "block"):  # a shard dim of size 1: no collective, no copy
+        for reshard in (False, True):
+            cases[f"parity hybrid_shard 2x1{' bucket=block' if bucket == 'block' else ''} "
+                  f"zero{3 if reshard else 2}"] = functools.partial(
+                _parity, hsdp_2x1, "hybrid_shard", reshard, dp_rank=r, dp_size=2, bucket=bucket)
     for reshard in (False, True):  # DDP buckets: one all-reduce each; with and without a cast
         z = f"zero{3 if reshard else 2}"
         cases[f"parity replicate bucket=block {z}"] = functools.partial(
@@ -560,7 +607,8 @@ def worker_2ranks():
     cases["state_dict"] = functools.partial(_state_dict_collectives, mesh)
     cases["fsdp2 collectives"] = functools.partial(_fsdp2_collectives, mesh)
     cases["gather once"] = functools.partial(_gather_once, mesh)
-    cases["in place"] = functools.partial(_in_place, mesh)
+    cases["in place"] = functools.partial(_in_place, mesh, mesh_tp1)
+    cases["inference"] = functools.partial(_inference, mesh, r)
     cases["tagged dispatches"] = functools.partial(_tagged_dispatches, mesh, r)
     cases["prefetch"] = functools.partial(_prefetch, mesh, r)
     cases["per-module tags"] = functools.partial(_per_module_tags, mesh)
@@ -593,7 +641,8 @@ def _collectives_text(results) -> str:
 
 
 @pytest.mark.parametrize("mode", ["replicate", "fully_shard", "fully_shard bucket=module",
-                                  "fully_shard bucket=block", "replicate bucket=block"])
+                                  "fully_shard bucket=block", "replicate bucket=block",
+                                  "hybrid_shard 2x1", "hybrid_shard 2x1 bucket=block"])
 @pytest.mark.parametrize("zero", [2, 3])
 def test_parity_2ranks(two_ranks, mode, zero):
     _assert_parity(two_ranks, f"parity {mode} zero{zero}")
@@ -688,12 +737,22 @@ zero2 none: grads equal: True
 zero2 selective: grads equal: True
   AG <root>, wait <root>, enter 0, AG layers.0, wait layers.0, enter 1, AG layers.1, wait layers.1, bwd wait layers.1, bwd wait layers.0
   skip: AG <root>, wait <root>, enter 0, AG layers.0, wait layers.0, bwd wait layers.0
+zero2 plain checkpoint: grads equal: True
+  AG <root>, wait <root>, AG layers.0, enter 0, wait layers.0, AG layers.1, enter 1, wait layers.1, enter 1, bwd AG layers.1, bwd wait layers.1, enter 0, bwd AG layers.0, bwd wait layers.0
+  skip: AG <root>, wait <root>, AG layers.0, enter 0, wait layers.0, AG layers.1, wait layers.1, enter 0, bwd AG layers.0, bwd wait layers.0
 zero3 none: grads equal: True
   AG <root>, wait <root>, AG layers.0, enter 0, wait layers.0, AG layers.1, enter 1, wait layers.1, bwd AG <root>, bwd wait <root>, bwd AG layers.1, bwd wait layers.1, bwd AG layers.0, bwd wait layers.0
   skip: AG <root>, wait <root>, AG layers.0, enter 0, wait layers.0, AG layers.1, wait layers.1, bwd AG <root>, bwd wait <root>, bwd AG layers.0, bwd wait layers.0
 zero3 selective: grads equal: True
   AG <root>, wait <root>, enter 0, AG layers.0, wait layers.0, enter 1, AG layers.1, wait layers.1, bwd AG <root>, bwd wait <root>, bwd AG layers.1, bwd wait layers.1, bwd AG layers.0, bwd wait layers.0
-  skip: AG <root>, wait <root>, enter 0, AG layers.0, wait layers.0, bwd AG <root>, bwd wait <root>, bwd AG layers.0, bwd wait layers.0""")
+  skip: AG <root>, wait <root>, enter 0, AG layers.0, wait layers.0, bwd AG <root>, bwd wait <root>, bwd AG layers.0, bwd wait layers.0
+zero3 plain checkpoint: grads equal: True
+  AG <root>, wait <root>, AG layers.0, enter 0, wait layers.0, AG layers.1, enter 1, wait layers.1, bwd AG <root>, bwd wait <root>, enter 1, bwd AG layers.1, bwd wait layers.1, enter 0, bwd AG layers.0, bwd wait layers.0
+  skip: AG <root>, wait <root>, AG layers.0, enter 0, wait layers.0, AG layers.1, wait layers.1, bwd AG <root>, bwd wait <root>, enter 0, bwd AG layers.0, bwd wait layers.0""")
+
+
+def test_inference_mode(two_ranks):
+    assert all(result(two_ranks, "inference").values()), result(two_ranks, "inference")
 
 
 def test_in_place_on_gathered_param_raises(two_ranks):
@@ -704,7 +763,13 @@ param, grad off: no error | stored unchanged: True
 param, grad off, kept: fsdptag: an in-place op during forward on the gathered parameter '0.lin.weight' | stored unchanged: True
 block, grad on: Output 0 of _GatherBucket is a view and is being modified inplace | stored unchanged: True
 block, grad off: Output 0 of _GatherBucket is a view and its base or another view of its base has been modified inplace | stored unchanged: True
-block, grad off, kept: Output 0 of _GatherBucket is a view and its base or another view of its base has been modified inplace | stored unchanged: True""")
+block, grad off, kept: Output 0 of _GatherBucket is a view and its base or another view of its base has been modified inplace | stored unchanged: True
+block, grad off, no_grad forward: fsdptag: an in-place op during forward on the gathered parameter '0.lin.weight' | stored unchanged: True
+param, grad off, kept, no_grad forward: fsdptag: an in-place op during forward on the gathered parameter '0.lin.weight' | stored unchanged: True
+param, grad on, TP: Output 0 of _ViewOut is a view and is being modified inplace | stored unchanged: True
+block, grad on, TP: fsdptag: an in-place op during forward on the gathered parameter '0.lin.weight' | stored unchanged: True
+block, grad off, replicate: no error | stored unchanged: False
+param, grad off, replicate: no error | stored unchanged: False""")
 
 
 def test_state_dict_has_no_collective(two_ranks):
