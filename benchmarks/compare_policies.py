@@ -42,7 +42,8 @@ from fsdptag.debug import CollectiveCounter, LiveStorageTracker, disable_tagging
 from fsdptag.launch import spawn
 from fsdptag.models.llama import Llama, LlamaConfig, apply_tp
 
-VARIANTS = ("tagged", "op-name", "no-fix", "fsdp2", "untagged")  # also: "prefetch"
+DEFAULT_VARIANTS = ("tagged", "op-name", "no-fix", "fsdp2", "untagged")
+KNOWN_VARIANTS = DEFAULT_VARIANTS + ("prefetch",)
 
 
 @dataclass
@@ -208,7 +209,8 @@ def main() -> None:
     p.add_argument("--bucket", default="blocks", choices=["blocks", "param", "module"],
                    help="fsdptag's gather buckets (blocks: one per transformer block + the root)")
     p.add_argument("--tp", default="1,2", help="comma list of TP degrees to run (1 and/or 2)")
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                   help=f"comma list of {', '.join(KNOWN_VARIANTS)}")
     p.add_argument("--world", type=int, default=4, help="ranks (TP 2 needs an even number)")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
@@ -222,6 +224,9 @@ def main() -> None:
     t0 = time.perf_counter()
     tps = tuple(int(t) for t in args.tp.split(","))
     variants = tuple(args.variants.split(","))
+    unknown = sorted(set(variants) - set(KNOWN_VARIANTS))
+    if unknown:
+        p.error(f"unknown variant(s) {unknown}; use some of {', '.join(KNOWN_VARIANTS)}")
     records = spawn(args.world, _worker, cfg, acs, max(args.steps, 5), batch, seq_len, args.bucket, tps, variants)
     print(f"compare_policies: dim={dim} layers={layers} batch={batch} seq={seq_len} per dp rank, "
           f"bucket={args.bucket}, "

@@ -70,9 +70,10 @@ Only gathers outside activation-checkpointed regions take part. SAC replays a
 region op by op: a region whose forward only waited for an all-gather issued
 elsewhere could not issue the same ops in its recompute (it would have to
 gather), and an all-gather issued inside region i for block i+1 would belong to
-region i's replay. So under AC on every block prefetch does nothing. An issued
-all-gather nobody claims (the order changed) is waited out at the end of the
-root's forward.
+region i's replay. So under AC on every block prefetch does nothing. Nor does a
+plain checkpoint's recompute in backward prefetch: nobody would claim it before
+the optimizer changes the parameters. An issued all-gather nobody claims (the
+order changed) is waited out at the end of the root's forward.
 """
 
 from __future__ import annotations

@@ -49,9 +49,10 @@ parameter as tagged, as before, while compute on it (``t()``, ``mm``, their
 backward, SAC's ``detach`` of saved tensors) runs without subclass dispatch: at
 dim 128 that was ~130 of ~195 tagged dispatches per step. Compute outputs have
 new, unmarked storage. Marks are rank-independent like tags (set on the same
-tensor on every rank) and die with the gathered storage. A parameter that needs
-no gather (DDP without a cast) is handed out unmarked: its storage is the stored
-shard's, and no FSDP op ran, so there is nothing to save or recompute.
+tensor on every rank) and die with the gathered storage, which is never the
+stored shard's: a parameter that needs no copy (DDP without a cast, or a shard
+dim of size 1) is handed out unmarked, as the stored tensor itself, since no
+FSDP op ran and there is nothing to save or recompute.
 """
 
 from __future__ import annotations
