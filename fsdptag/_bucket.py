@@ -20,7 +20,7 @@ and gradients are all-reduced.
   parameter -> one ``view`` (+ ``narrow`` for uneven rows) per parameter. About
   ``5 + n`` ops per bucket, whatever the padding, and the same ops on every rank;
   only the first five are tagged-tensor dispatches. DDP without a cast copies
-  nothing: the parameters are views of the stored buffer.
+  nothing: compute gets aliases of the stored shards.
 * Backward: one ``_chunk_cat`` packs the gradients (padding included) into the
   reduce-scatter input in ``reduce_dtype``, one ``reduce_scatter_tensor``
   (sum; HSDP then one ``all_reduce`` over the replicate dim, DDP only that;
@@ -345,24 +345,23 @@ class _GatherBucket(torch.autograd.Function):
         ctx.bucket = bucket
         ctx.specs = [p._spec for p in params]
         ctx.local_shapes = [p._local_tensor.shape for p in params]
-        cast = bucket.param_dtype is not None and bucket.param_dtype != params[0].dtype
-        # DDP without a cast gathers nothing: compute reads views of the stored shards,
-        # untagged (Note [Marked handout] in _tag.py).
-        tagged = tagged and (cast or bucket.world > 1)
+        if not bucket.copies():  # DDP without a cast: aliases of the stored shards, no views,
+            return tuple(p._local_tensor.detach() for p in params)  # so in place is as in DDP
+        # No FSDP op to checkpoint under inference_mode (which would also turn the cast
+        # into aten.to.dtype, outside the tag table).
+        tagged = tagged and not torch.is_inference_mode_enabled()
         if prefetched is not None:  # all-gather issued ahead (Note [Prefetch])
             gathered = c10d.wait_tensor(prefetched)
         elif bucket.world > 1:
             gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(
                 bucket._gather_input(params, tagged), bucket.world, bucket.group_name))
-        else:  # DDP: the shard is the whole parameter
+        else:  # DDP with a cast: the cast shard is the whole parameter
             gathered = bucket._gather_input(params, tagged)
         if len(bucket.slots) == 1:  # already laid out rank-major like the parameter
             pieces = [gathered]
-        elif cast or bucket.world > 1:  # each piece tagged as its parameter (FSDPTag.parts)
+        else:  # each piece tagged as its parameter (FSDPTag.parts)
             pieces = torch.split_with_sizes_copy(
                 gathered.view(bucket.world, bucket.numel), bucket.split_sizes, dim=1)
-        else:
-            pieces = torch.split_with_sizes(gathered, bucket.split_sizes)
         if tagged:  # compute gets plain tensors (Note [Marked handout] in _tag.py)
             pieces = [mark_gathered(p._elem, tag) for p, tag in zip(pieces, bucket.tag.parts)]
         outs = []
@@ -370,10 +369,7 @@ class _GatherBucket(torch.autograd.Function):
             p = p.view(bucket.world * slot.padded_rows, *slot.rest)
             if p.shape[0] != slot.rows:
                 p = p.narrow(0, 0, slot.rows)
-            # A copy is returned as a view made here, which autograd refuses to change in
-            # place while grad is on. DDP without a cast returns the stored parameter
-            # itself (an alias that is no view), which may change in place as in plain DDP.
-            outs.append(p if cast or bucket.world > 1 else p.detach())
+            outs.append(p)  # a view made here: autograd refuses in-place ops on it (grad on)
         return tuple(outs)
 
     @staticmethod

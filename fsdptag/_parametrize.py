@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import threading
 import weakref
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.placement_types import Placement
 
 from ._bucket import Prefetcher, _contiguous_stride, scoped
-from ._tag import FSDPTag, FSDPTaggedTensor, alias, in_place_error, refuse_in_place, tag_shard, untag
+from ._tag import FSDPTag, alias, in_place_error, refuse_in_place, tag_shard, untag
 
 __all__ = [
     "DataParallelMode",
@@ -181,8 +182,9 @@ class _ParamAccess:
             gathered = self.bucket.lookup(self, _state.tagging)
             if gathered is not None:
                 return gathered
-        gathered = self.gather(stored, tagged=_state.tagging)
-        if self.copies(stored):  # otherwise the handout is the stored parameter itself
+        copies = self.copies(stored)
+        gathered = self.gather(stored, tagged=_state.tagging, copies=copies)
+        if copies:  # otherwise the handout is the stored parameter itself
             self.handouts.record(gathered, self.tag.fqn)
         return gathered
 
@@ -191,11 +193,14 @@ class _ParamAccess:
         cast hands out the stored parameter itself, as plain DDP does."""
         return self.collective or self.param_dtype not in (None, stored.dtype)
 
-    def gather(self, stored: DTensor, *, tagged: bool) -> torch.Tensor:
+    def gather(self, stored: DTensor, *, tagged: bool, copies: bool | None = None) -> torch.Tensor:
         """All-gather ``stored`` over the dp mesh; differentiable."""
+        if copies is None:
+            copies = self.copies(stored)
+        # No FSDP op, or nothing to checkpoint (inference_mode): no tag (Note [Marked
+        # handout] in _tag.py).
+        tagged = tagged and copies and not torch.is_inference_mode_enabled()
         local = stored.to_local()
-        copies = self.copies(stored)
-        tagged = tagged and copies  # no FSDP op, no tag (Note [Marked handout] in _tag.py)
         if tagged:
             local = tag_shard(local, self.tag)
         sharded = DTensor.from_local(
@@ -206,11 +211,9 @@ class _ParamAccess:
             self.dp_mesh, self.compute_placements,
             forward_dtype=self.param_dtype, backward_dtype=self.reduce_dtype,
         ).to_local(grad_placements=self.grad_placements)
-        if type(full) is FSDPTaggedTensor:  # (under inference_mode DTensor drops the tag)
-            full = untag(full)
-        if not copies:  # the stored parameter itself, which may change in place as in plain DDP
+        if not copies:
             return self.on_tp_mesh(alias(full))
-        out = self.on_tp_mesh(full)
+        out = self.on_tp_mesh(untag(full) if tagged else full)
         return refuse_in_place(out) if self.tp_mesh is not None else out
 
     def on_tp_mesh(self, full: torch.Tensor) -> torch.Tensor:
@@ -246,7 +249,9 @@ class _Handouts:
             self._frame.append((weakref.ref(t), t._version, fqn))
 
     def enter(self, module, args) -> None:
-        self._frame = []  # (a forward that raised leaves its frame: replaced here)
+        # One frame: a forward that raised leaves it, replaced here; a nested call of the
+        # root's forward would start afresh (and its caller's handouts go unchecked).
+        self._frame = []
 
     def exit(self, module, args, output) -> None:  # not called when forward raised
         handed, self._frame = self._frame, None
@@ -393,6 +398,14 @@ def _rebind_after_load(module: nn.Module, incompatible_keys) -> None:
         b.bind()
 
 
+def _access(module: nn.Module, name: str) -> torch.Tensor:
+    try:
+        return module._fsdptag_access[name](module._parameters[name])
+    except AttributeError as e:
+        # nn.Module.__getattr__ would swallow it and hand out the stored shard instead.
+        raise RuntimeError(f"fsdptag: gathering {name!r} of {type(module).__name__} failed: {e!r}") from e
+
+
 def _swap_class(module: nn.Module, names: list[str], accesses: list[_ParamAccess]) -> None:
     """Give ``module`` a subclass with a gathering property per parameter name."""
     module.__dict__["_fsdptag_access"] = dict(zip(names, accesses))
@@ -400,7 +413,7 @@ def _swap_class(module: nn.Module, names: list[str], accesses: list[_ParamAccess
     cls = _CLASS_CACHE.get(key)
     if cls is None:
         props = {
-            name: property(lambda self, n=name: self._fsdptag_access[n](self._parameters[n]))
+            name: property(functools.partial(_access, name=name))
             for name in names
         }
         props["_fsdptag_param_names"] = tuple(names)

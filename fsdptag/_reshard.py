@@ -137,10 +137,7 @@ class Zero3SavedTensorHooks:
         tag = get_fsdp_tag(t)  # views of a gathered parameter: by its mark
         if tag is None or not tag.reshard_after_forward:
             return t
-        module, name, access = self.accesses[tag.fqn]
-        stored = module._parameters[name]._local_tensor
-        if _innermost(t).untyped_storage()._cdata == stored.untyped_storage()._cdata:
-            return t  # the "gathered" tensor is the stored shard itself (1 rank): nothing to free
+        module, name, access = self.accesses[tag.fqn]  # (a handout that is no copy has no tag)
         bucket = access.bucket
         key = bucket.name if bucket is not None else tag.fqn
         regather = self._regathers.get(key)

@@ -303,7 +303,11 @@ def _mark_of(t: torch.Tensor) -> FSDPTag | None:
         return None
     if t.layout is not torch.strided or t.is_nested:
         return None
-    return getattr(t.untyped_storage(), _MARK, None)  # ~0.1 µs
+    try:
+        storage = t.untyped_storage()  # ~0.1 µs with the lookup
+    except NotImplementedError:  # functorch wrappers (vmap, grad) have no storage to ask
+        return None
+    return getattr(storage, _MARK, None)
 
 
 def get_fsdp_tag(t: Any) -> FSDPTag | None:
@@ -420,6 +424,7 @@ class _Alias(torch.autograd.Function):
 
 
 def alias(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as an alias that autograd does not treat as a view, so in-place ops on it
-    are allowed (a DDP parameter handed out without a copy)."""
+    """``t`` as an alias that autograd does not treat as a view, so an in-place op on it
+    (a stored DDP parameter handed out without a copy) reaches the stored parameter, as
+    ``with torch.no_grad(): module.weight.clamp_(...)`` does in plain DDP."""
     return _Alias.apply(t)

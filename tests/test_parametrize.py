@@ -202,7 +202,8 @@ def _in_place(mesh, mesh_tp):
             for how in ("grad on", "grad off", "grad off, kept")]
     rows += [("block", "grad off", "no_grad forward"), ("param", "grad off, kept", "no_grad forward"),
              ("param", "grad on", "TP"), ("block", "grad on", "TP"),
-             ("block", "grad off", "replicate"), ("param", "grad off", "replicate")]
+             ("block", "grad off", "replicate"), ("param", "grad off", "replicate"),
+             ("block", "grad on", "replicate"), ("param", "grad on", "replicate")]
     for bucket, how, extra in rows:
         torch.manual_seed(0)
         model = nn.Sequential(_ScaleInForward(how))
@@ -229,19 +230,21 @@ def _in_place(mesh, mesh_tp):
 
 
 def _inference(mesh, r):
-    """Forward under inference_mode gives what no_grad gives (the per-parameter path
-    loses the tag inside DTensor there: nothing to checkpoint, so nothing to mark)."""
+    """Forward under inference_mode gives what no_grad gives (nothing is tagged there:
+    there is nothing to checkpoint), with and without a cast, per parameter and per block."""
     tokens, _ = models.batch(0, 2)
     out = {}
     for bucket in ("param", "block"):
-        for zero in (2, 3):
-            model = fsdptag.parametrize(models.make_net(), mesh, mode="fully_shard",
-                                        reshard_after_forward=zero == 3, bucket=BUCKETS[bucket])
-            with torch.no_grad():
-                expected = model(tokens[r])
-            with torch.inference_mode():
-                got = model(tokens[r])
-            out[f"{bucket} zero{zero}"] = torch.equal(expected, got)
+        for mp in (None, fsdptag.MixedPrecisionPolicy(torch.bfloat16)):
+            for zero in (2, 3):
+                model = fsdptag.parametrize(models.make_net(), mesh, mode="fully_shard",
+                                            reshard_after_forward=zero == 3, mp_policy=mp,
+                                            bucket=BUCKETS[bucket])
+                with torch.no_grad():
+                    expected = model(tokens[r])
+                with torch.inference_mode():
+                    got = model(tokens[r])
+                out[f"{bucket} {'bf16' if mp else 'fp32'} zero{zero}"] = torch.equal(expected, got)
     return out
 
 
@@ -769,7 +772,9 @@ param, grad off, kept, no_grad forward: fsdptag: an in-place op during forward o
 param, grad on, TP: Output 0 of _ViewOut is a view and is being modified inplace | stored unchanged: True
 block, grad on, TP: fsdptag: an in-place op during forward on the gathered parameter '0.lin.weight' | stored unchanged: True
 block, grad off, replicate: no error | stored unchanged: False
-param, grad off, replicate: no error | stored unchanged: False""")
+param, grad off, replicate: no error | stored unchanged: False
+block, grad on, replicate: no error | stored unchanged: False
+param, grad on, replicate: no error | stored unchanged: False""")
 
 
 def test_state_dict_has_no_collective(two_ranks):
