@@ -318,7 +318,7 @@ def parametrize(
     from ._reshard import Zero3SavedTensorHooks
 
     if not isinstance(prefetch, bool):
-        raise TypeError(f"prefetch={prefetch!r} must be a bool")
+        raise TypeError(f"prefetch={prefetch!r} must be True (issue the next bucket's all-gather early) or False")
     plan = plan_parametrization(model, mesh, mode, reshard_after_forward, mp_policy, shard_dim, bucket)
     # Everything above only validated; from here on the model changes.
     handouts = _Handouts()

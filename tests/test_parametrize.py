@@ -569,6 +569,7 @@ def _bad_input(mesh, mesh2d):
             reshard_after_forward="yes")
     attempt("reshard names missing module", models.make_net, mesh=mesh, mode="fully_shard",
             reshard_after_forward={"layers.7": False})
+    attempt("prefetch of wrong type", models.make_net, mesh=mesh, mode="fully_shard", prefetch=1)
     return out
 
 
@@ -853,7 +854,8 @@ unknown mode: ValueError: unknown mode='zero3'; use one of 'replicate', 'fully_s
 parametrize twice: ValueError: Net is already parametrized by fsdptag; call fsdptag.parametrize once, on the root module
 0-dim parameter: ValueError: parameter 'scale' has shape (), which has no dim 0 to shard; reshape it to at least 1 dims or use mode='replicate'
 reshard of wrong type: TypeError: reshard_after_forward='yes' must be a bool, a callable (module_fqn, module) -> bool, or a dict of module-FQN prefixes to bools
-reshard names missing module: ValueError: reshard_after_forward names module 'layers.7', which is not in the model; use module FQNs from model.named_modules() ("" sets the default)""")
+reshard names missing module: ValueError: reshard_after_forward names module 'layers.7', which is not in the model; use module FQNs from model.named_modules() ("" sets the default)
+prefetch of wrong type: TypeError: prefetch=1 must be True (issue the next bucket's all-gather early) or False""")
 
 
 # ---------------------------------------------------------------- 4 ranks: HSDP, TP, uneven
