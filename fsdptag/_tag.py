@@ -379,52 +379,37 @@ def tag_shard(shard: torch.Tensor, tag: FSDPTag) -> torch.Tensor:
     return _TagShard.apply(shard, tag)
 
 
-class _Untag(torch.autograd.Function):
+class _Handout(torch.autograd.Function):
+    """Identity for autograd (gradients pass through) that turns a gather's result into
+    what compute gets: a tagged tensor becomes its marked plain inner tensor (Note
+    [Marked handout]); the result is a view made here, which autograd refuses to change
+    in place while grad is on, or, with ``view=False``, an alias that is no view."""
+
     @staticmethod
-    def forward(ctx, gathered: FSDPTaggedTensor) -> torch.Tensor:
-        inner = mark_gathered(gathered._elem, gathered.tag)
-        # A view made here: autograd then refuses in-place ops on it while grad is on.
-        return inner.view_as(inner)
+    def forward(ctx, t: torch.Tensor, view: bool) -> torch.Tensor:
+        if type(t) is FSDPTaggedTensor:
+            t = mark_gathered(t._elem, t.tag)
+        return t.view_as(t) if view else t.detach()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad
+        return grad, None
 
 
 def untag(gathered: FSDPTaggedTensor) -> torch.Tensor:
     """Differentiably unwrap the last tagged tensor of a gather into the marked plain
     tensor compute receives (Note [Marked handout])."""
-    return _Untag.apply(gathered)
-
-
-class _ViewOut(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, t: torch.Tensor) -> torch.Tensor:
-        return t.view_as(t)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad
+    return _Handout.apply(gathered, True)
 
 
 def refuse_in_place(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a view returned by a custom Function: autograd refuses in-place ops on
     it while grad is on (for handouts that are not such a view already, e.g. DTensors)."""
-    return _ViewOut.apply(t)
-
-
-class _Alias(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, t: torch.Tensor) -> torch.Tensor:
-        return t.detach()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad
+    return _Handout.apply(t, True)
 
 
 def alias(t: torch.Tensor) -> torch.Tensor:
     """``t`` as an alias that autograd does not treat as a view, so an in-place op on it
     (a stored DDP parameter handed out without a copy) reaches the stored parameter, as
     ``with torch.no_grad(): module.weight.clamp_(...)`` does in plain DDP."""
-    return _Alias.apply(t)
+    return _Handout.apply(t, False)

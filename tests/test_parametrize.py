@@ -762,7 +762,7 @@ def test_inference_mode(two_ranks):
 def test_in_place_on_gathered_param_raises(two_ranks):
     text = "\n".join(f"{k}: {v}" for k, v in result(two_ranks, "in place").items())
     assert_expected_inline(text, """\
-param, grad on: Output 0 of _Untag is a view and is being modified inplace | stored unchanged: True
+param, grad on: Output 0 of _Handout is a view and is being modified inplace | stored unchanged: True
 param, grad off: no error | stored unchanged: True
 param, grad off, kept: fsdptag: an in-place op during forward on the gathered parameter '0.lin.weight' | stored unchanged: True
 block, grad on: Output 0 of _GatherBucket is a view and is being modified inplace | stored unchanged: True
@@ -770,7 +770,7 @@ block, grad off: Output 0 of _GatherBucket is a view and its base or another vie
 block, grad off, kept: Output 0 of _GatherBucket is a view and its base or another view of its base has been modified inplace | stored unchanged: True
 block, grad off, no_grad forward: fsdptag: an in-place op during forward on the gathered parameter '0.lin.weight' | stored unchanged: True
 param, grad off, kept, no_grad forward: fsdptag: an in-place op during forward on the gathered parameter '0.lin.weight' | stored unchanged: True
-param, grad on, TP: Output 0 of _ViewOut is a view and is being modified inplace | stored unchanged: True
+param, grad on, TP: Output 0 of _Handout is a view and is being modified inplace | stored unchanged: True
 block, grad on, TP: fsdptag: an in-place op during forward on the gathered parameter '0.lin.weight' | stored unchanged: True
 block, grad off, replicate: no error | stored unchanged: False
 param, grad off, replicate: no error | stored unchanged: False
