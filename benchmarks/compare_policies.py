@@ -37,10 +37,10 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 import fsdptag
-from fsdptag.baselines import apply_baseline_ac
+from fsdptag.testing.baselines import apply_baseline_ac
 from fsdptag.debug import CollectiveCounter, LiveStorageTracker, disable_tagging
-from fsdptag.launch import spawn
-from fsdptag.models.llama import Llama, LlamaConfig, apply_tp
+from fsdptag.testing.launch import spawn
+from fsdptag.testing.llama import Llama, LlamaConfig, apply_tp
 
 DEFAULT_VARIANTS = ("tagged", "op-name", "no-fix", "fsdp2", "untagged")
 KNOWN_VARIANTS = DEFAULT_VARIANTS + ("prefetch",)

@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fsdptag
 from fsdptag.debug import CollectiveCounter, LiveStorageTracker
-from fsdptag.models.llama import Llama, LlamaConfig, apply_tp
+from fsdptag.testing.llama import Llama, LlamaConfig, apply_tp
 
 
 def parse_args() -> argparse.Namespace:

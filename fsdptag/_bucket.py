@@ -55,25 +55,6 @@ Note [Bound storage]
 bucket found unbound at gather time (a parameter replaced some other way) packs
 the shards with ``cat`` instead: slower, same result. Rebinding never happens
 during a gather, so a checkpoint region's forward and recompute see the same state.
-
-Note [Prefetch]
----------------
-With ``parametrize(..., prefetch=True)`` a bucket's gather also issues, without
-waiting, the all-gather of the bucket that gathered right after it in the
-previous forward (the root's forward hooks record that order); that bucket's
-gather then only waits and copies out. On gloo the wait blocks the CPU, so this
-lets gloo's thread move the next block's parameters during this block's compute;
-on NCCL the CPU usually runs ahead of the GPU and overlap happens without it.
-It costs one more gathered bucket alive, as in FSDP2.
-
-Only gathers outside activation-checkpointed regions take part. SAC replays a
-region op by op: a region whose forward only waited for an all-gather issued
-elsewhere could not issue the same ops in its recompute (it would have to
-gather), and an all-gather issued inside region i for block i+1 would belong to
-region i's replay. So under AC on every block prefetch does nothing. Nor does a
-plain checkpoint's recompute in backward prefetch: nobody would claim it before
-the optimizer changes the parameters. An issued all-gather nobody claims (the
-order changed) is waited out at the end of the root's forward.
 """
 
 from __future__ import annotations
@@ -81,14 +62,21 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
 
-from ._tag import FSDPTag, FSDPTaggedTensor, in_place_error, mark_gathered
+from ._api import MixedPrecisionPolicy
+from ._compat import contiguous_strides, current_sac_region
+from ._param import ParamGather, makes_copy
+from ._tag import FSDPTag, FSDPTaggedTensor, check_unchanged, mark_gathered
+
+if TYPE_CHECKING:
+    from ._prefetch import Prefetcher
+
+__all__ = ["Bucket", "open_scopes", "scoped"]
 
 c10d = torch.ops._c10d_functional
 
@@ -112,14 +100,15 @@ class Bucket:
     """The parameters of one bucket root that share a dtype and a reshard decision;
     see Note [Buckets]."""
 
-    def __init__(self, name: str, reshard: bool, entries: list, dp_mesh, mp) -> None:
+    def __init__(self, name: str, reshard: bool, params: list[ParamGather], dp_mesh,
+                 mp: MixedPrecisionPolicy, prefetcher: Prefetcher | None) -> None:
         self.name = name
-        self.entries = entries  # [(module, param name, _ParamAccess)]
-        self.tag = FSDPTag(name, reshard, parts=tuple(access.tag for _, _, access in entries))
+        self.params = params  # in slot order
+        self.tag = FSDPTag(name, reshard, parts=tuple(p.tag for p in params))
         # Gather and reduce-scatter over the sharding dim (FSDP: the mesh; HSDP: dim 1),
         # all-reduce gradients over the replicate dim (HSDP: dim 0; DDP: the mesh, with
         # nothing to gather: ``world == 1``).
-        ddp = isinstance(entries[0][2].dp_placements[-1], Replicate)
+        ddp = isinstance(params[0].dp_placements[-1], Replicate)
         self.world = 1 if ddp else dp_mesh.size(dp_mesh.ndim - 1)
         self.group_name = None if ddp else dp_mesh.get_group(dp_mesh.ndim - 1).group_name
         replicate_dim = 0 if ddp or dp_mesh.ndim == 2 else None
@@ -130,8 +119,8 @@ class Bucket:
         self.reduce_dtype = mp.reduce_dtype or mp.param_dtype
         self.slots: list[_Slot] = []
         offset = 0
-        for _, _, access in entries:  # a TP parameter's slot holds its TP-local tensor
-            rows, rest = access.dp_shape[0], tuple(access.dp_shape[1:])
+        for p in params:  # a TP parameter's slot holds its TP-local tensor
+            rows, rest = p.dp_shape[0], tuple(p.dp_shape[1:])
             slot = _Slot(offset, rows, -(-rows // self.world), math.prod(rest), rest)
             self.slots.append(slot)
             offset += slot.numel
@@ -140,7 +129,7 @@ class Bucket:
         self.flat: torch.Tensor | None = None  # bound storage (Note [Bound storage])
         self.locals: tuple[torch.Tensor, ...] = ()
         self.scopes: list[_Scope] = []  # one per open root forward
-        self.prefetcher: Prefetcher | None = None  # Note [Prefetch]
+        self.prefetcher = prefetcher  # Note [Prefetch] in _prefetch.py
 
     # ------------------------------------------------------------ storage
 
@@ -148,7 +137,7 @@ class Bucket:
         """Move the shards of ``params`` (default: the stored ones) into one fresh flat
         buffer and point each parameter's local tensor at its slot."""
         if params is None:
-            params = [module._parameters[name] for module, name, _ in self.entries]
+            params = self.stored()
         shards = [p._local_tensor for p in params]
         if len({(s.dtype, s.device) for s in shards}) != 1:
             self.flat, self.locals = None, ()  # mixed after a user's .to(): stay unbound
@@ -163,6 +152,10 @@ class Bucket:
         for p, view in zip(params, views):
             p._local_tensor = view
         self.flat, self.locals = flat, tuple(views)
+
+    def stored(self) -> list[DTensor]:
+        """The stored parameters, in slot order."""
+        return [p.module_info.stored for p in self.params]
 
     def _is_bound(self, params) -> bool:
         return self.flat is not None and all(p._local_tensor is v for p, v in zip(params, self.locals))
@@ -188,14 +181,14 @@ class Bucket:
 
     # ------------------------------------------------------------ gathering
 
-    def lookup(self, access, tagged: bool) -> torch.Tensor | None:
-        """The gathered parameter for ``access`` in the current scope (gathering the
+    def lookup(self, param: ParamGather, tagged: bool) -> torch.Tensor | None:
+        """The gathered parameter ``param`` in the current scope (gathering the
         bucket at the scope's first access), or None outside the root's forward or
         from another checkpoint region than the scope's (Note [Buckets])."""
         if not self.scopes:
             return None
         scope = self.scopes[-1]
-        if scope.region is not _current_region():
+        if scope.region is not current_sac_region():
             return None
         if not scope.gathered:
             if self.prefetcher is None:
@@ -208,25 +201,20 @@ class Bucket:
             # DDP without a cast hands out the stored parameters themselves, as plain DDP
             # does; inference tensors have no version counter.
             if self.copies() and not torch.is_inference_mode_enabled():
-                scope.versions = {a: t._version for a, t in scope.gathered.items()}
-        return scope.gathered[access]
+                scope.versions = {p: t._version for p, t in scope.gathered.items()}
+        return scope.gathered[param]
 
     def copies(self) -> bool:
         """Whether a gather makes new tensors (a collective or a cast)."""
-        module, name, _ = self.entries[0]
-        return self.world > 1 or self.param_dtype not in (None, module._parameters[name].dtype)
+        return makes_copy(self.world > 1, self.param_dtype, self.params[0].module_info.stored.dtype)
 
-    def check_unchanged(self, scope: _Scope) -> None:
-        """Raise if compute changed a gathered parameter of ``scope`` in place: the
-        plain handout cannot refuse the op itself (Note [Marked handout] in _tag.py)."""
-        for access, version in scope.versions.items():
-            if scope.gathered[access]._version != version:
-                raise in_place_error(access.tag.fqn, "an in-place op during forward")
+    def gather(self, *, tagged: bool, prefetched: torch.Tensor | None = None) -> dict[ParamGather, torch.Tensor]:
+        outs = _GatherBucket.apply(self, tagged, prefetched, *self.stored())
+        return {p: p.on_tp_mesh(out) for p, out in zip(self.params, outs)}
 
-    def gather(self, *, tagged: bool, prefetched: torch.Tensor | None = None) -> dict:
-        params = [module._parameters[name] for module, name, _ in self.entries]
-        outs = _GatherBucket.apply(self, tagged, prefetched, *params)
-        return {access: access.on_tp_mesh(out) for (_, _, access), out in zip(self.entries, outs)}
+    def regather(self) -> dict[ParamGather, torch.Tensor]:
+        """A fresh tagged gather, as the zero3 hooks re-gather (Note [zero3 by saved-tensor hooks])."""
+        return self.gather(tagged=True)
 
     def _gather_input(self, params, tagged: bool) -> torch.Tensor:
         """The flat per-rank buffer to all-gather: the bound storage (or the shards
@@ -241,9 +229,8 @@ class Bucket:
 
     def issue_all_gather(self, tagged: bool) -> torch.Tensor:
         """Start this bucket's all-gather without waiting (Note [Prefetch])."""
-        params = [module._parameters[name] for module, name, _ in self.entries]
         with torch.no_grad():
-            return c10d.all_gather_into_tensor(self._gather_input(params, tagged), self.world, self.group_name)
+            return c10d.all_gather_into_tensor(self._gather_input(self.stored(), tagged), self.world, self.group_name)
 
 
 @dataclass
@@ -256,72 +243,17 @@ class _Scope:
     versions: dict = field(default_factory=dict)
 
 
-class Prefetcher:
-    """Issues the next bucket's all-gather when a bucket gathers; see Note [Prefetch].
-
-    The order is the previous forward's. Only gathers during the root's forward take
-    part, not a checkpoint's recompute in backward (whose prefetch nobody would
-    claim before the optimizer changes the parameters)."""
-
-    def __init__(self) -> None:
-        self.active = False  # inside the root's forward
-        self.order: list[tuple[Bucket, bool]] = []  # (bucket, gathered outside AC) this forward
-        self.next: dict[Bucket, Bucket] = {}  # from the last forward
-        self.pending: dict[Bucket, tuple[bool, torch.Tensor]] = {}  # bucket -> (tagged, all-gather)
-
-    def _in_forward(self) -> bool:
-        return self.active and torch._C._current_graph_task_id() == -1
-
-    def take(self, bucket: Bucket, region, tagged: bool) -> torch.Tensor | None:
-        entry = self.pending.pop(bucket, None)
-        if entry is None:
-            return None
-        if self._in_forward() and region is None and entry[0] == tagged:
-            return entry[1]
-        c10d.wait_tensor(entry[1])  # not usable here: finish it and gather afresh
-        return None
-
-    def gathered(self, bucket: Bucket, region, tagged: bool) -> None:
-        if not self._in_forward():
-            return
-        self.order.append((bucket, region is None))
-        following = self.next.get(bucket)
-        if region is None and following is not None and following not in self.pending:
-            self.pending[following] = (tagged, following.issue_all_gather(tagged))
-
-    def enter(self, module, args) -> None:
-        self._drain()
-        self.active, self.order = True, []
-
-    def exit(self, module, args, output) -> None:  # always called, also when forward raised
-        self.active = False
-        self.next = {a: b for (a, a_free), (b, b_free) in zip(self.order, self.order[1:])
-                     if a_free and b_free and b.world > 1}
-        self._drain()
-
-    def _drain(self) -> None:
-        for _, unclaimed in self.pending.values():
-            c10d.wait_tensor(unclaimed)
-        self.pending.clear()
-
-
-def _current_region():
-    """The innermost selective-checkpoint region running now (its SAC mode), or None."""
-    for mode in reversed(_get_current_dispatch_mode_stack()):
-        if isinstance(mode, (_CachingTorchDispatchMode, _CachedTorchDispatchMode)):
-            return mode
-    return None
-
-
 @contextlib.contextmanager
-def _open_scopes(buckets):
-    region = _current_region()
+def open_scopes(buckets: tuple[Bucket, ...]) -> Iterator[None]:
+    """A fresh gather scope of each of ``buckets`` (one root ``forward``)."""
+    region = current_sac_region()
     for b in buckets:
         b.scopes.append(_Scope(region))
     try:
         yield
         for b in buckets:  # not on the way out of an error: that error is the one to see
-            b.check_unchanged(b.scopes[-1])
+            scope = b.scopes[-1]
+            check_unchanged((scope.gathered[p], v, p.fqn) for p, v in scope.versions.items())
     finally:
         for b in buckets:
             b.scopes.pop()
@@ -331,7 +263,7 @@ def scoped(buckets: tuple[Bucket, ...], fn):
     """``fn`` run inside a fresh gather scope of each of ``buckets``."""
 
     def run(*args, **kwargs):
-        with _open_scopes(buckets):
+        with open_scopes(buckets):
             return fn(*args, **kwargs)
 
     return run
@@ -390,16 +322,9 @@ class _GatherBucket(torch.autograd.Function):
         local.div_(bucket.world * bucket.replicas)
         out = []
         for slot, spec, shape in zip(bucket.slots, ctx.specs, ctx.local_shapes):
-            g = local.as_strided(shape, _contiguous_stride(shape), slot.offset)
+            g = local.as_strided(shape, contiguous_strides(shape), slot.offset)
             if g.dtype != spec.tensor_meta.dtype:
                 g = g.to(spec.tensor_meta.dtype)
             out.append(DTensor(g, spec, requires_grad=False))
         return (None, None, None, *out)
 
-
-def _contiguous_stride(shape) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for size in reversed(shape):
-        stride.append(acc)
-        acc *= max(size, 1)
-    return tuple(reversed(stride))

@@ -33,25 +33,24 @@ FQN) as the forward did at that index, or fsdptag raises naming both.
 from __future__ import annotations
 
 import collections
-import enum
+import functools
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import (
-    CheckpointPolicy,
-    _CachedTorchDispatchMode,
-    _CachingTorchDispatchMode,
-    checkpoint,
-)
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
+from ._api import ACMode
 from ._bucket import scoped
+from ._class_swap import swap_class
+from ._compat import SACCachedMode, SACCachingMode, is_sac_replay_error
+from ._state import module_state
 from ._tag import first_tag, get_fsdp_tag
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
-__all__ = ["ACMode", "DEFAULT_SAVE_OPS", "apply_ac", "checkpoint_context_fn", "checkpoint_policy"]
+__all__ = ["DEFAULT_SAVE_OPS", "apply_ac", "checkpoint_blocks", "checkpoint_context_fn", "checkpoint_policy"]
 
 Policy = Callable[..., CheckpointPolicy]
 _ALL_GATHER = c10d.all_gather_into_tensor.default
@@ -69,13 +68,8 @@ DEFAULT_SAVE_OPS = frozenset(
         aten.max.default,
     ) if op
 )
-"""torchtitan's selective-AC save list; every second ``mm`` is still recomputed."""
-
-
-class ACMode(enum.Enum):
-    NONE = "none"
-    FULL = "full"
-    SELECTIVE = "selective"
+"""The ops op-level selective AC saves (matmuls, attention kernels, reduce-scatters,
+``max``), as torchtitan's op-level SAC does; every second ``mm`` is still recomputed."""
 
 
 class _SaveOps:
@@ -99,6 +93,11 @@ class _SaveOps:
             if self.mm_count % 2 == 0:
                 return CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.MUST_SAVE if func in self.ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def fresh_base(base):
+    """``base`` as one checkpointed call should get it: stateful save lists copied."""
+    return base.fresh() if isinstance(base, _SaveOps) else base
 
 
 def _as_policy(base) -> Policy:
@@ -151,7 +150,7 @@ def _gather_fqn(args) -> str | None:
     return tag.fqn if tag is not None else None
 
 
-class _RecordingCachingMode(_CachingTorchDispatchMode):
+class _RecordingCachingMode(SACCachingMode):
     """SAC's forward mode, also recording which parameter each all-gather gathered."""
 
     @classmethod
@@ -171,10 +170,7 @@ class _RecordingCachingMode(_CachingTorchDispatchMode):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
-_SAC_ERRORS = ("not found in storage", "backward an extra time")
-
-
-class _CheckingCachedMode(_CachedTorchDispatchMode):
+class _CheckingCachedMode(SACCachedMode):
     """SAC's recompute mode, checking the all-gathers replay the forward's parameters."""
 
     _should_skip_dynamo = _RecordingCachingMode._should_skip_dynamo
@@ -214,7 +210,7 @@ class _CheckingCachedMode(_CachedTorchDispatchMode):
         try:
             return super().__torch_dispatch__(func, types, args, kwargs)
         except RuntimeError as e:
-            if not any(s in str(e) for s in _SAC_ERRORS):
+            if not is_sac_replay_error(e):
                 raise
             fqn = _gather_fqn(args)
             where = f" on FSDP parameter {fqn!r}" if fqn else ""
@@ -243,11 +239,10 @@ def checkpoint_context_fn(base=None) -> Callable[[], tuple[Any, Any]]:
     _as_policy(base)  # validate now, not at the first forward
 
     def context_fn():
-        fresh = base.fresh() if isinstance(base, _SaveOps) else base
         storage: dict = collections.defaultdict(dict)
         gathered: list = []
         return (
-            _RecordingCachingMode(checkpoint_policy(fresh), storage, gathered),
+            _RecordingCachingMode(checkpoint_policy(fresh_base(base)), storage, gathered),
             _CheckingCachedMode(storage, gathered),
         )
 
@@ -256,25 +251,18 @@ def checkpoint_context_fn(base=None) -> Callable[[], tuple[Any, Any]]:
 
 # ---------------------------------------------------------------- apply_ac
 
-_AC_CLASS_CACHE: dict[type, type] = {}
+_AC_CONTEXT_FN = "_fsdptag_ac_context_fn"  # a checkpointed block's context_fn, in its __dict__
 
 
-def _checkpointed_class(cls: type) -> type:
-    ac_cls = _AC_CLASS_CACHE.get(cls)
-    if ac_cls is None:
+def _checkpointed_forward(cls: type) -> dict:
+    def forward(self, *args, **kwargs):
+        fn = functools.partial(cls.forward, self)
+        state = module_state(self)
+        if state is not None and state.buckets:  # the gather scope must be inside the region: Note [Buckets]
+            fn = scoped(state.buckets, fn)
+        return checkpoint(fn, *args, use_reentrant=False, context_fn=self.__dict__[_AC_CONTEXT_FN], **kwargs)
 
-        def forward(self, *args, **kwargs):
-            fn = super(ac_cls, self).forward
-            buckets = self.__dict__.get("_fsdptag_buckets")
-            if buckets is not None:  # the gather scope must be inside the region: Note [Buckets]
-                fn = scoped(buckets, fn)
-            return checkpoint(
-                fn, *args, use_reentrant=False, context_fn=self._fsdptag_ac_context_fn, **kwargs,
-            )
-
-        ac_cls = type(f"Checkpointed{cls.__name__}", (cls,), {"forward": forward, "_fsdptag_generated": True})
-        _AC_CLASS_CACHE[cls] = ac_cls
-    return ac_cls
+    return {"forward": forward}
 
 
 def apply_ac(
@@ -330,7 +318,7 @@ def _parse_ac(model, mode, blocks, save_ops, layer_every):
         blocks = list(layers.children())
     blocks = list(blocks)
     for block in blocks:
-        if "_fsdptag_ac_context_fn" in block.__dict__:
+        if _AC_CONTEXT_FN in block.__dict__:
             raise ValueError(f"{type(block).__name__} already has activation checkpointing applied")
     if save_ops is not None:
         base = _SaveOps(save_ops, every_other_mm=False)
@@ -353,5 +341,5 @@ def checkpoint_blocks(
     for i, block in enumerate(blocks):
         if (i + 1) % every:
             continue
-        block.__dict__["_fsdptag_ac_context_fn"] = make_context_fn()
-        block.__class__ = _checkpointed_class(type(block))
+        block.__dict__[_AC_CONTEXT_FN] = make_context_fn()
+        swap_class(block, "Checkpointed", _checkpointed_forward)

@@ -9,39 +9,80 @@ them) without touching the model, so a bad call raises with the model unchanged.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.distributed.tensor.placement_types import Placement
 
+from ._api import BucketPolicy, DataParallelMode, MixedPrecisionPolicy, ReshardPolicy
 from ._bucket import Bucket
-from ._parametrize import DataParallelMode, MixedPrecisionPolicy, ReshardPolicy, _ParamAccess, is_parametrized
+from ._class_swap import user_class
+from ._compat import StridedShard, concatenate_meshes
+from ._param import ParamGather, ParamModuleInfo
+from ._state import ModuleState, RootState, module_state
 from ._tag import FSDPTag
+
+__all__ = ["Plan", "plan_parametrization"]
 
 
 @dataclass
-class _Plan:
+class _Setting:
+    """The validated arguments of one ``parametrize`` call."""
+
+    mode: DataParallelMode
+    dp_mesh: DeviceMesh
+    dp_placements: tuple[Placement, ...]
     mp: MixedPrecisionPolicy
-    modules: list  # (module, param names, accesses, new sharded parameters)
-    accesses: dict  # fqn -> (module, name, _ParamAccess)
-    buckets: list  # (root module, tuple of Buckets: one per parameter dtype)
+    shard_dim: int
+    reshard_of: Callable[[str, nn.Module], bool]
+    bucket_roots: dict[str, nn.Module]  # by FQN
 
 
-def plan_parametrization(model, mesh, mode, reshard_after_forward, mp_policy, shard_dim, bucket) -> _Plan:
-    """Validate everything and compute the sharded parameters, without touching ``model``."""
+@dataclass
+class Plan:
+    """What ``parametrize`` will do to the model: nothing of it has happened yet."""
+
+    root: RootState
+    params: dict[str, ParamGather]  # one per stored parameter, by its first FQN
+    sharded: dict[str, nn.Parameter]  # the new stored parameters, by the same FQN
+    modules: dict[int, tuple[nn.Module, ModuleState]] = field(default_factory=dict)  # by id
+
+    def state_of(self, module: nn.Module) -> ModuleState:
+        entry = self.modules.get(id(module))
+        if entry is None:
+            entry = self.modules[id(module)] = (module, ModuleState(self.root))
+        return entry[1]
+
+
+def plan_parametrization(model: nn.Module, mesh, mode, reshard_after_forward, mp_policy,
+                         shard_dim, bucket, prefetch) -> Plan:
+    """Validate everything and compute the sharded parameters and buckets, without
+    touching ``model``."""
+    setting, params = _validate(model, mesh, mode, reshard_after_forward, mp_policy, shard_dim,
+                                bucket, prefetch)
+    plan = Plan(RootState(setting.mp, prefetch), {}, {})
+    plan_parameters(plan, setting, params)
+    if setting.shard_dim == 0 or setting.mode is DataParallelMode.REPLICATE:
+        plan_buckets(plan, setting)
+    return plan
+
+
+def _validate(model, mesh, mode, reshard_after_forward, mp_policy, shard_dim, bucket, prefetch):
+    if not isinstance(prefetch, bool):
+        raise TypeError(f"prefetch={prefetch!r} must be True (issue the next bucket's all-gather early) or False")
     if not isinstance(model, nn.Module):
         raise TypeError(f"parametrize expects an nn.Module, got {type(model).__name__}")
-    if is_parametrized(model):
-        user_cls = next(c for c in type(model).__mro__ if "_fsdptag_generated" not in c.__dict__)
+    if any(module_state(m) is not None for m in model.modules()):
         raise ValueError(
-            f"{user_cls.__name__} is already parametrized by fsdptag; call "
+            f"{user_class(type(model)).__name__} is already parametrized by fsdptag; call "
             "fsdptag.parametrize once, on the root module"
         )
-    mode = _parse_mode(mode)
+    if mode is not None:
+        mode = _parse_mode(mode)
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a DeviceMesh, got {type(mesh).__name__}; use init_device_mesh")
     mp = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
@@ -51,6 +92,7 @@ def plan_parametrization(model, mesh, mode, reshard_after_forward, mp_policy, sh
         raise ValueError(f"shard_dim={shard_dim!r} must be a non-negative int")
     reshard_of = _reshard_resolver(model, reshard_after_forward)
     is_root = _bucket_roots(bucket, model)
+    roots = {fqn: m for fqn, m in model.named_modules() if is_root(fqn, m)}
 
     params = [(mfqn, m, n, p) for mfqn, m in model.named_modules()
               for n, p in m.named_parameters(recurse=False)]
@@ -58,72 +100,77 @@ def plan_parametrization(model, mesh, mode, reshard_after_forward, mp_policy, sh
         raise ValueError(f"{type(model).__name__} has no parameters to parametrize")
     _check_devices(params, mesh)
     tp_names = _tp_dim_names(params)
-    dp_mesh = _dp_mesh(mesh, mode, tp_names)
-
+    dp_mesh = _dp_mesh(mesh, tp_names)
+    mode = _mode_for(dp_mesh, mode, tp_names)
     dp_placements: tuple[Placement, ...] = {
         DataParallelMode.REPLICATE: (Replicate(),),
         DataParallelMode.FULLY_SHARD: (Shard(shard_dim),),
         DataParallelMode.HYBRID_SHARD: (Replicate(), Shard(shard_dim)),
     }[mode]
+    return _Setting(mode, dp_mesh, dp_placements, mp, shard_dim, reshard_of, roots), params
 
-    modules: dict[int, tuple] = {}
-    accesses: dict[str, tuple] = {}
-    seen: dict[int, str] = {}  # id(param) -> its first FQN
-    sharded_of: dict[str, nn.Parameter] = {}
-    roots = {fqn: m for fqn, m in model.named_modules() if is_root(fqn, m)}
-    bucket_entries: dict[str, list] = {}
+
+def plan_parameters(plan: Plan, setting: _Setting, params: list) -> None:
+    """A gather and a new sharded parameter per stored parameter (tied weights: one)."""
+    seen: dict[int, ParamGather] = {}  # id(param) -> its gather
     for mfqn, module, name, param in params:
         fqn = f"{mfqn}.{name}" if mfqn else name
-        if id(param) in seen:  # tied weights: one stored parameter, one access, one tag
-            first = seen[id(param)]
-            entry = modules.setdefault(id(module), (module, [], [], []))
-            entry[1].append(name)
-            entry[2].append(accesses[first][2])
-            entry[3].append(sharded_of[first])
+        gather = seen.get(id(param))
+        if gather is not None:  # tied weights: one stored parameter, one gather, one tag
+            gather.module_info.shared_modules.append(module)
+            gather.module_info.shared_names.append(name)
+            plan.state_of(module).params[name] = gather
             continue
-        seen[id(param)] = fqn
-        if mode is not DataParallelMode.REPLICATE and param.dim() <= shard_dim:
-            raise ValueError(
-                f"parameter {fqn!r} has shape {tuple(param.shape)}, which has no dim {shard_dim} "
-                f"to shard; reshape it to at least {shard_dim + 1} dims or use mode='replicate'"
-            )
-        if not param.dtype.is_floating_point:
-            raise ValueError(
-                f"parameter {fqn!r} has dtype {param.dtype}; fsdptag shards floating-point "
-                "parameters only: register it as a buffer instead"
-            )
-        root = None
-        if shard_dim == 0 or mode is DataParallelMode.REPLICATE:
-            root = next((r for r in _ancestors(mfqn) if r in roots), None)
-        reshard = reshard_of(mfqn, module) and mode is not DataParallelMode.REPLICATE
-        access, sharded = _shard_param(param, FSDPTag(fqn, reshard), dp_mesh, dp_placements, mp)
+        _check_param(fqn, param, setting)
+        reshard = setting.reshard_of(mfqn, module) and setting.mode is not DataParallelMode.REPLICATE
+        gather, sharded = _shard_param(
+            param, FSDPTag(fqn, reshard), ParamModuleInfo(module, name), setting, plan.root)
+        seen[id(param)] = plan.params[fqn] = gather
+        plan.sharded[fqn] = sharded
+        plan.state_of(module).params[name] = gather
+
+
+def plan_buckets(plan: Plan, setting: _Setting) -> None:
+    """Give each bucket root the parameters under it that no nearer root takes, in
+    buckets (one flat buffer needs one dtype, one gather one reshard decision), bound
+    to the new parameters."""
+    by_root: dict[str, list[ParamGather]] = {}
+    for fqn, gather in plan.params.items():
+        mfqn = fqn.rpartition(".")[0]  # the module it was first registered in
+        root = next((r for r in _ancestors(mfqn) if r in setting.bucket_roots), None)
         if root is not None:
-            bucket_entries.setdefault(root, []).append((module, name, access, sharded))
-        entry = modules.setdefault(id(module), (module, [], [], []))
-        entry[1].append(name)
-        entry[2].append(access)
-        entry[3].append(sharded)
-        accesses[fqn] = (module, name, access)
-        sharded_of[fqn] = sharded
-    buckets = []
-    for root, entries in bucket_entries.items():
-        # One flat buffer needs one dtype, and one gather one reshard decision.
-        groups: dict[tuple[torch.dtype, bool], list] = {}
-        for entry in entries:
-            groups.setdefault((entry[3].dtype, entry[2].tag.reshard_after_forward), []).append(entry)
+            by_root.setdefault(root, []).append(gather)
+    for root, gathers in by_root.items():
+        groups: dict[tuple[torch.dtype, bool], list[ParamGather]] = {}
+        for g in gathers:
+            groups.setdefault((plan.sharded[g.fqn].dtype, g.tag.reshard_after_forward), []).append(g)
         dtypes, reshards = {k[0] for k in groups}, {k[1] for k in groups}
-        group = []
-        for (dtype, reshard), members in groups.items():
+        buckets = []
+        for (dtype, reshard), group in groups.items():
             name = root or "<root>"
             if len(dtypes) > 1:
                 name += f"[{str(dtype).removeprefix('torch.')}]"
             if len(reshards) > 1:
                 name += f"[zero{3 if reshard else 2}]"
-            b = Bucket(name, reshard, [m[:3] for m in members], dp_mesh, mp)
-            b.bind([m[3] for m in members])  # the new parameters only: the model is untouched
-            group.append(b)
-        buckets.append((roots[root], tuple(group)))
-    return _Plan(mp, list(modules.values()), accesses, buckets)
+            b = Bucket(name, reshard, group, setting.dp_mesh, setting.mp, plan.root.prefetcher)
+            b.bind([plan.sharded[g.fqn] for g in group])  # the new parameters only: the model is untouched
+            for g in group:
+                g.bucket = b
+            buckets.append(b)
+        plan.state_of(setting.bucket_roots[root]).buckets = tuple(buckets)
+
+
+def _check_param(fqn: str, param: nn.Parameter, setting: _Setting) -> None:
+    if setting.mode is not DataParallelMode.REPLICATE and param.dim() <= setting.shard_dim:
+        raise ValueError(
+            f"parameter {fqn!r} has shape {tuple(param.shape)}, which has no dim {setting.shard_dim} "
+            f"to shard; reshape it to at least {setting.shard_dim + 1} dims or use mode='replicate'"
+        )
+    if not param.dtype.is_floating_point:
+        raise ValueError(
+            f"parameter {fqn!r} has dtype {param.dtype}; fsdptag shards floating-point "
+            "parameters only: register it as a buffer instead"
+        )
 
 
 def _ancestors(fqn: str) -> list[str]:
@@ -132,7 +179,7 @@ def _ancestors(fqn: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(len(parts), -1, -1)]
 
 
-def _bucket_roots(bucket, model: nn.Module) -> Callable[[str, nn.Module], bool]:
+def _bucket_roots(bucket: BucketPolicy, model: nn.Module) -> Callable[[str, nn.Module], bool]:
     if bucket == "blocks":  # torchtitan's wrapping: each repeated block, the root for the rest
         blocks = {id(child) for m in model.modules() if isinstance(m, nn.ModuleList) for child in m}
         return lambda fqn, module: fqn == "" or id(module) in blocks
@@ -231,37 +278,61 @@ def _tp_dim_names(params) -> tuple[str, ...]:
     return tuple(names)
 
 
-def _dp_mesh(mesh: DeviceMesh, mode: DataParallelMode, tp_names: tuple[str, ...]) -> DeviceMesh:
+def _dp_mesh(mesh: DeviceMesh, tp_names: tuple[str, ...]) -> DeviceMesh:
+    """``mesh`` without the dims TP parameters use."""
     names = mesh.mesh_dim_names or ()
-    overlap = [n for n in tp_names if n in names]
-    dp_mesh = mesh
-    if overlap:
-        dp_names = tuple(n for n in names if n not in tp_names)
-        if not dp_names:
+    if not any(n in names for n in tp_names):
+        return mesh
+    dp_names = tuple(n for n in names if n not in tp_names)
+    if not dp_names:
+        raise ValueError(
+            f"mesh dims {names} are all TP dims; pass a mesh that also has the data-parallel dim(s)"
+        )
+    return mesh[dp_names]
+
+
+def _mode_for(dp_mesh: DeviceMesh, mode: DataParallelMode | None, tp_names: tuple[str, ...]) -> DataParallelMode:
+    """The explicit ``mode`` checked against the data-parallel mesh, or the default:
+    one dim -> fully_shard, two -> hybrid_shard (replicate over dim 0, shard over dim 1)."""
+    names = dp_mesh.mesh_dim_names
+    if mode is None:
+        unused_tp = [n for n in names or () if "tp" in n.lower().split("_")]
+        if unused_tp:
             raise ValueError(
-                f"mesh dims {names} are all TP dims; pass a mesh that also has the data-parallel dim(s)"
+                f"mesh dim {unused_tp[0]!r} looks like a TP dim but no parameter is on it; "
+                "call parallelize_module on the TP sub-mesh first, or pass mode='fully_shard' / "
+                "'hybrid_shard' / 'replicate' to data-parallelize over it"
             )
-        dp_mesh = mesh[dp_names]
+        if dp_mesh.ndim in (1, 2):
+            return DataParallelMode.FULLY_SHARD if dp_mesh.ndim == 1 else DataParallelMode.HYBRID_SHARD
+        raise ValueError(
+            f"data-parallel mesh has {dp_mesh.ndim} dims {names or ''}; pass a 1D mesh "
+            "(mode='fully_shard' or 'replicate') or a 2D (replicate, shard) mesh (mode='hybrid_shard'), "
+            "e.g. mesh[('replicate', 'shard')]"
+        )
     if dp_mesh.ndim != mode.mesh_ndim:
         fix = (
-            f"use mode='hybrid_shard' or pass one dim, e.g. mesh[{dp_mesh.mesh_dim_names[-1]!r}]"
-            if dp_mesh.ndim > mode.mesh_ndim and dp_mesh.mesh_dim_names
+            f"use mode='hybrid_shard' or pass one dim, e.g. mesh[{names[-1]!r}]"
+            if dp_mesh.ndim > mode.mesh_ndim and names
             else "use mode='hybrid_shard' or pass a 1D sub-mesh"
             if dp_mesh.ndim > mode.mesh_ndim
             else "pass a 2D mesh (replicate, shard) or use mode='fully_shard'"
         )
         raise ValueError(
-            f"data-parallel mesh has {dp_mesh.ndim} dim(s) {dp_mesh.mesh_dim_names or ''} but "
+            f"data-parallel mesh has {dp_mesh.ndim} dim(s) {names or ''} but "
             f"mode={mode.value!r} needs {mode.mesh_ndim}; {fix}"
         )
-    return dp_mesh
+    return mode
 
 
-def _shard_param(param, tag, dp_mesh, dp_placements, mp) -> tuple[_ParamAccess, nn.Parameter]:
+def _shard_param(param: nn.Parameter, tag: FSDPTag, module_info: ParamModuleInfo, setting: _Setting,
+                 root: RootState) -> tuple[ParamGather, nn.Parameter]:
+    dp_mesh, dp_placements = setting.dp_mesh, setting.dp_placements
     if not isinstance(param, DTensor):
         sharded = distribute_tensor(param.detach(), dp_mesh, dp_placements, src_data_rank=None)
-        access = _ParamAccess(tag, dp_mesh, dp_placements, param.shape, mp, None, (), param.shape)
-        return access, nn.Parameter(sharded, requires_grad=param.requires_grad)
+        gather = ParamGather(tag, module_info, dp_mesh, dp_placements, param.shape, setting.mp,
+                             None, (), param.shape, root.handouts)
+        return gather, nn.Parameter(sharded, requires_grad=param.requires_grad)
 
     tp_mesh, tp_placements = param.device_mesh, tuple(param.placements)
     spanned = _concatenate_meshes(dp_mesh, tp_mesh, tag.fqn)
@@ -272,26 +343,22 @@ def _shard_param(param, tag, dp_mesh, dp_placements, mp) -> tuple[_ParamAccess, 
         local, spanned, placements + tp_placements, run_check=False,
         shape=param.shape, stride=param.stride(),
     )
-    access = _ParamAccess(
-        tag, dp_mesh, dp_placements, tp_local.shape, mp, tp_mesh, tp_placements, param.shape
-    )
-    return access, nn.Parameter(sharded, requires_grad=param.requires_grad)
+    gather = ParamGather(tag, module_info, dp_mesh, dp_placements, tp_local.shape, setting.mp,
+                         tp_mesh, tp_placements, param.shape, root.handouts)
+    return gather, nn.Parameter(sharded, requires_grad=param.requires_grad)
 
 
 def _concatenate_meshes(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, fqn: str) -> DeviceMesh:
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    with unset_fake_temporarily():  # mesh bookkeeping is real even when estimating on fake tensors
-        try:
-            return DeviceMesh._concatenate([dp_mesh, tp_mesh])
-        except RuntimeError as e:
-            if "different device mesh" not in str(e) and "overlapping" not in str(e):
-                raise
-            raise ValueError(
-                f"TP parameter {fqn!r} lives on mesh {tp_mesh}, which is not a sub-mesh of the "
-                f"device mesh the data-parallel mesh {dp_mesh} comes from; build both from one "
-                "init_device_mesh, e.g. mesh = init_device_mesh(..., mesh_dim_names=('dp', 'tp'))"
-            ) from None
+    try:
+        return concatenate_meshes([dp_mesh, tp_mesh])
+    except RuntimeError as e:
+        if "different device mesh" not in str(e) and "overlapping" not in str(e):
+            raise
+        raise ValueError(
+            f"TP parameter {fqn!r} lives on mesh {tp_mesh}, which is not a sub-mesh of the "
+            f"device mesh the data-parallel mesh {dp_mesh} comes from; build both from one "
+            "init_device_mesh, e.g. mesh = init_device_mesh(..., mesh_dim_names=('dp', 'tp'))"
+        ) from None
 
 
 def _strided_if_needed(dp: Placement, tp_mesh: DeviceMesh, tp_placements) -> Placement:
@@ -301,4 +368,4 @@ def _strided_if_needed(dp: Placement, tp_mesh: DeviceMesh, tp_placements) -> Pla
     split = math.prod(
         tp_mesh.size(i) for i, p in enumerate(tp_placements) if isinstance(p, Shard) and p.dim == dp.dim
     )
-    return _StridedShard(dp.dim, split_factor=split) if split > 1 else dp
+    return StridedShard(dp.dim, split_factor=split) if split > 1 else dp

@@ -34,14 +34,16 @@ a checkpointed zero3 block at one re-gather per parameter.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn as nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed.tensor import DTensor
 
+from ._compat import in_backward, others_saved_tensor_hooks_active
+from ._param import ParamGather
 from ._tag import get_fsdp_tag, innermost as _innermost
+
+__all__ = ["Zero3SavedTensorHooks"]
 
 
 class _Regather:
@@ -51,16 +53,16 @@ class _Regather:
     __slots__ = ("gather", "pending", "buffers")
 
     def __init__(self, gather) -> None:
-        self.gather = gather  # () -> {access: gathered tensor}
+        self.gather = gather  # () -> {ParamGather: gathered tensor}
         self.pending = 0
         self.buffers: dict | None = None
 
-    def take(self, access) -> torch.Tensor:
+    def take(self, param: ParamGather) -> torch.Tensor:
         if self.buffers is None:
             with torch.no_grad():
                 # Tagged so collective traces attribute it; the tags are stripped here.
                 self.buffers = {a: _innermost(t) for a, t in self.gather().items()}
-        buffer = self.buffers[access]
+        buffer = self.buffers[param]
         self.pending -= 1
         if self.pending == 0:
             self.buffers = None
@@ -70,21 +72,21 @@ class _Regather:
 class _PackedView:
     """What autograd stores instead of a zero3 gathered tensor."""
 
-    __slots__ = ("regather", "access", "size", "stride", "offset", "nbytes", "spec")
+    __slots__ = ("regather", "param", "size", "stride", "offset", "nbytes", "spec")
 
-    def __init__(self, regather: _Regather, access, t: torch.Tensor) -> None:
+    def __init__(self, regather: _Regather, param: ParamGather, t: torch.Tensor) -> None:
         inner = _innermost(t)
-        self.regather, self.access = regather, access
+        self.regather, self.param = regather, param
         self.size, self.stride, self.offset = inner.size(), inner.stride(), inner.storage_offset()
         self.nbytes = inner.untyped_storage().nbytes()
         self.spec = t._spec if isinstance(t, DTensor) else None
         regather.pending += 1
 
     def unpack(self) -> torch.Tensor:
-        buffer = self.regather.take(self.access)
+        buffer = self.regather.take(self.param)
         if buffer.untyped_storage().nbytes() != self.nbytes:
             raise RuntimeError(
-                f"fsdptag: re-gathered {self.access.tag.fqn!r} has a "
+                f"fsdptag: re-gathered {self.param.fqn!r} has a "
                 f"{buffer.untyped_storage().nbytes()}-byte buffer but the saved view needs "
                 f"{self.nbytes}; autograd saved a tensor that is not a view of the gathered "
                 "parameter. Please report this with the op that saved it."
@@ -96,26 +98,18 @@ class _PackedView:
 
 
 class Zero3SavedTensorHooks:
-    """Root-module forward hooks that push the zero3 pack/unpack hooks."""
+    """The zero3 pack/unpack hooks, pushed for the root's forward by its state."""
 
-    def __init__(self, accesses: dict) -> None:
-        self.accesses = accesses  # fqn -> (module, name, _ParamAccess)
+    def __init__(self, params: dict[str, ParamGather]) -> None:
+        self.params = params  # fqn -> its gather
         self._stack: list = []
         self._regathers: dict[str, _Regather] | None = None
 
-    @classmethod
-    def install(cls, model: nn.Module, accesses: dict) -> None:
-        if not any(access.tag.reshard_after_forward for _, _, access in accesses.values()):
-            return
-        hooks = cls(accesses)
-        model.register_forward_pre_hook(hooks._enter)
-        model.register_forward_hook(hooks._exit, always_call=True)
-
-    def _enter(self, module, args) -> None:
+    def pre_forward(self) -> None:
         usable = (
             torch.is_grad_enabled()
-            and torch._C._current_graph_task_id() == -1  # not a recompute inside backward
-            and torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+            and not in_backward()  # not a recompute inside backward
+            and not others_saved_tensor_hooks_active()
         )
         if not usable:
             self._stack.append(None)
@@ -125,7 +119,7 @@ class Zero3SavedTensorHooks:
         self._stack.append((ctx, self._regathers))
         self._regathers = {}
 
-    def _exit(self, module, args, output) -> None:
+    def post_forward(self) -> None:  # also when forward raised
         entry = self._stack.pop()
         if entry is not None:
             ctx, self._regathers = entry
@@ -137,18 +131,12 @@ class Zero3SavedTensorHooks:
         tag = get_fsdp_tag(t)  # views of a gathered parameter: by its mark
         if tag is None or not tag.reshard_after_forward:
             return t
-        module, name, access = self.accesses[tag.fqn]  # (a handout that is no copy has no tag)
-        bucket = access.bucket
-        key = bucket.name if bucket is not None else tag.fqn
-        regather = self._regathers.get(key)
+        param = self.params[tag.fqn]  # (a handout that is no copy has no tag)
+        source = param.bucket if param.bucket is not None else param
+        regather = self._regathers.get(source.tag.fqn)
         if regather is None:
-            if bucket is not None:
-                gather = functools.partial(bucket.gather, tagged=True)
-            else:
-                def gather(module=module, name=name, access=access):
-                    return {access: access.gather(module._parameters[name], tagged=True)}
-            regather = self._regathers[key] = _Regather(gather)
-        return _PackedView(regather, access, t)
+            regather = self._regathers[source.tag.fqn] = _Regather(source.regather)
+        return _PackedView(regather, param, t)
 
     @staticmethod
     def _unpack(x):

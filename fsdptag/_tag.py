@@ -45,7 +45,7 @@ the last of them, *marked*: the tag is an attribute of its storage
 view of it shares: ``w.t()``, ``w.view(...)``, and the views DTensor takes on TP
 local tensors inside its dispatch, where ``_base`` is not tracked. So
 :func:`get_fsdp_tag` and the checkpoint policy see every view of a gathered
-parameter as tagged, as before, while compute on it (``t()``, ``mm``, their
+parameter as tagged, while compute on it (``t()``, ``mm``, their
 backward, SAC's ``detach`` of saved tensors) runs without subclass dispatch: at
 dim 128 that was ~130 of ~195 tagged dispatches per step. Compute outputs have
 new, unmarked storage. Marks are rank-independent like tags (set on the same
@@ -58,12 +58,13 @@ FSDP op ran and there is nothing to save or recompute.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
+
+from ._compat import AsyncCollectiveTensor, set_alias_storage
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -149,6 +150,15 @@ def in_place_error(fqn: str, what: str) -> RuntimeError:
         "temporary, so the change would be lost; modify the stored parameter inside "
         "`with fsdptag.disable_active_parametrization():`."
     )
+
+
+def check_unchanged(handouts: Iterable[tuple[torch.Tensor | None, int, str]]) -> None:
+    """Raise :func:`in_place_error` for the first ``(tensor, version when handed out,
+    fqn)`` whose tensor is alive and changed since: compute's plain handouts cannot
+    refuse in-place ops themselves (Note [Marked handout])."""
+    for t, version, fqn in handouts:
+        if t is not None and t._version != version:
+            raise in_place_error(fqn, "an in-place op during forward")
 
 
 # ---------------------------------------------------------------- unwrapping
@@ -260,7 +270,7 @@ def _rewrap_view(func, tag, args, kwargs, out):
     # does; every view in the table aliases args[0], so do it directly (Note [Lean dispatch]).
     out = _wrap(out, tag)
     for r in out if isinstance(out, (list, tuple)) else (out,):
-        torch._functionalize_unsafe_set(r, args[0])
+        set_alias_storage(r, args[0])
     return out
 
 

@@ -2,7 +2,10 @@
 
 Both are ``TorchDispatchMode``s, so they see ops above every tensor subclass:
 what ``torch.utils.checkpoint``'s policy sees, including ops run by a
-checkpoint recompute inside backward (where ``CommDebugMode`` can fail).
+checkpoint recompute inside backward. Unlike ``CommDebugMode`` (which counts per
+module), the counter attributes each collective to the FSDP parameter or bucket
+whose tag its input carries, and tells forward from backward by the autograd
+engine, not by module hooks.
 """
 
 from __future__ import annotations
@@ -14,10 +17,10 @@ from typing import Iterable
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._parametrize import disable_tagging
+from ._compat import StorageWeakRef, in_backward, storage_expired, storage_from_weak
+from ._param import disable_tagging
 from ._tag import first_tag
 
 __all__ = ["CollectiveCounter", "CollectiveEvent", "LiveStorageTracker", "disable_tagging"]
@@ -109,7 +112,7 @@ class CollectiveCounter(TorchDispatchMode):
             if kind == "all_gather":
                 nbytes = _tensor_bytes(args[0]) if func.namespace == "c10d" else nbytes * args[1]
             self.events.append(CollectiveEvent(
-                "backward" if torch._C._current_graph_task_id() != -1 else "forward",
+                "backward" if in_backward() else "forward",
                 kind,
                 self.labels.get(group, group),
                 tag.fqn if tag is not None else None,
@@ -246,13 +249,13 @@ class LiveStorageTracker(TorchDispatchMode):
 
     def _total(self) -> int:
         # The hot loop of peak tracking: call the C expiry check directly, drop the dead.
-        total, dead, expired = 0, [], torch.UntypedStorage._expired
+        total, dead, expired = 0, [], storage_expired
         for key, entry in self._storages.items():
             if expired(entry[0].cdata):
                 dead.append(key)
                 continue
             if key in self._resizable:
-                entry[1] = torch.UntypedStorage._new_with_weak_ptr(entry[0].cdata).nbytes()
+                entry[1] = storage_from_weak(entry[0].cdata).nbytes()
             total += entry[1]
         for key in dead:
             del self._storages[key]

@@ -3,8 +3,8 @@
     python -m fsdptag.estimate --model llama3-8b --world-size 64 --tp 8 \\
         --reshard-after-forward false --ac selective --mp bf16 [--policy tagged] [--json out.json]
 
-It runs rank 0's training step (forward, backward, optimizer step) of the Llama 3
-model at full size on fake tensors (``FakeTensorMode``) with the ``fake`` process
+It runs rank 0's training step (forward, backward, optimizer step) of a model
+(built-in: the Llama 3 configs; or any :class:`ModelSpec`) at full size on fake tensors (``FakeTensorMode``) with the ``fake`` process
 group, so nothing is allocated and nothing is sent, and counts bytes with
 :class:`fsdptag.debug.LiveStorageTracker`. The same :func:`measure_step` runs for
 real in the validation test, which checks that the estimate matches a real gloo
@@ -25,20 +25,27 @@ import json
 import sys
 import time
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy as FSDP2MixedPrecision, fully_shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ._api import MixedPrecisionPolicy
 from ._checkpoint import apply_ac
-from ._parametrize import MixedPrecisionPolicy, parametrize
-from .baselines import apply_baseline_ac
+from ._compat import FakeStore
+from ._parametrize import parametrize
 from .debug import LiveStorageTracker
-from .models.llama import CONFIGS, Llama, LlamaConfig, apply_tp
+from .testing.baselines import apply_baseline_ac
+from .testing.llama import CONFIGS, Llama, apply_tp
 
-__all__ = ["POLICIES", "MemoryEstimate", "build_mesh", "build_model", "measure_step", "estimate"]
+__all__ = ["POLICIES", "MemoryEstimate", "ModelSpec", "build_mesh", "build_model", "builtin_model",
+           "measure_step", "estimate"]
 
 POLICIES = ("tagged", "op-name", "fsdp2")
 
@@ -65,6 +72,32 @@ class MemoryEstimate:
     kept_cast_bytes: int  # of which: activation casts (_to_copy)
 
 
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model to estimate: ``build()`` makes it (on fake tensors when estimating; it
+    takes token ids ``(batch, seq)`` and returns logits), ``tp_plan(model, tp_mesh)``
+    applies tensor parallelism (needed for ``tp > 1``), ``init_weights(model)``
+    initializes a real one. Its repeated blocks are the children of ``model.layers``."""
+
+    name: str
+    build: Callable[[], nn.Module]
+    vocab_size: int
+    seq_len: int
+    tp_plan: Callable[[nn.Module, DeviceMesh], None] | None = None
+    init_weights: Callable[[nn.Module], None] | None = None
+
+
+def builtin_model(name: str, seq_len: int | None = None) -> ModelSpec:
+    """One of the built-in Llama 3 configs (``llama3-debug``, ``llama3-8b``, ``llama3-70b``)
+    at ``seq_len`` (default: its max, at most 8192)."""
+    if name not in CONFIGS:
+        raise ValueError(f"unknown model {name!r}; built-in models are {sorted(CONFIGS)}")
+    cfg = CONFIGS[name]
+    seq_len = seq_len or min(cfg.max_seq_len, 8192)
+    cfg = cfg.with_(max_seq_len=max(seq_len, 1))
+    return ModelSpec(name, lambda: Llama(cfg), cfg.vocab_size, seq_len, apply_tp, Llama.init_weights)
+
+
 class _EagerAliasingWait(TorchDispatchMode):
     """Eager ``wait_tensor`` returns its input; the fake kernel allocates a new tensor,
     which would double-count every saved collective output. Restore eager aliasing."""
@@ -89,32 +122,33 @@ def build_mesh(device_type: str, world_size: int, tp: int, hsdp_replicas: int) -
     return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
 
-def build_model(cfg: LlamaConfig, mesh: DeviceMesh, *, policy: str, reshard: bool, ac: str,
-                mp: str, fake_mode=None):
-    """The Llama model with TP (if the mesh has "tp"), data parallelism by ``policy`` and AC.
+def build_model(spec: ModelSpec, mesh: DeviceMesh, *, policy: str, reshard: bool, ac: str,
+                mp: str, fake_mode=None) -> nn.Module:
+    """``spec``'s model with TP (if the mesh has "tp"), data parallelism by ``policy`` and AC.
 
     With ``fake_mode`` the model is built on fake tensors (no init); parallelism is
     applied outside the mode, as mesh bookkeeping (DeviceMesh) needs real tensors
     while fake parameters keep dispatching through their own mode.
     """
     if fake_mode is None:
-        model = Llama(cfg)
-        model.init_weights()
+        model = spec.build()
+        if spec.init_weights is not None:
+            spec.init_weights(model)
     else:
         with fake_mode:
-            model = Llama(cfg)
+            model = spec.build()
     names = mesh.mesh_dim_names
     if "tp" in names:
-        apply_tp(model, mesh["tp"])
+        if spec.tp_plan is None:
+            raise ValueError(f"model {spec.name!r} has no TP plan; pass ModelSpec(tp_plan=...) or use tp=1")
+        spec.tp_plan(model, mesh["tp"])
     mode, every = ("selective", 2) if ac == "layer" else (ac, None)
     dtype = torch.bfloat16 if mp == "bf16" else None
     if policy == "fsdp2":
-        from torch.distributed.fsdp import MixedPrecisionPolicy as FSDP2MP, fully_shard
-
         apply_ac(model, mode, layer_every=every)
         dp_names = tuple(n for n in names if n != "tp")
         dp_mesh = mesh[dp_names] if "tp" in names else mesh
-        mp2 = FSDP2MP(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+        mp2 = FSDP2MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
         for block in model.layers:
             fully_shard(block, mesh=dp_mesh, mp_policy=mp2, reshard_after_forward=reshard)
         fully_shard(model, mesh=dp_mesh, mp_policy=mp2, reshard_after_forward=reshard)
@@ -185,16 +219,19 @@ def measure_step(model, tokens: torch.Tensor) -> dict:
     }
 
 
-def estimate(model: str, world_size: int, *, tp: int = 1, hsdp_replicas: int = 1,
+def estimate(model: str | ModelSpec, world_size: int, *, tp: int = 1, hsdp_replicas: int = 1,
              reshard_after_forward: bool, ac: str, mp: str = "bf16", seq_len: int | None = None,
              batch: int = 1, policies=POLICIES) -> list[MemoryEstimate]:
-    """Estimate rank 0's memory for each policy on fake tensors (no real allocation)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    """Estimate rank 0's memory for each policy on fake tensors (no real allocation).
 
-    cfg = CONFIGS[model]
-    seq_len = seq_len or min(cfg.max_seq_len, 8192)
-    cfg = cfg.with_(max_seq_len=max(seq_len, 1))
+    ``model``: a built-in model's name or a :class:`ModelSpec`.
+
+    Example::
+
+        >>> [r.peak_bytes for r in estimate("llama3-8b", 64, tp=8, reshard_after_forward=False, ac="full")]
+    """
+    spec = builtin_model(model, seq_len) if isinstance(model, str) else model
+    seq_len = seq_len or spec.seq_len
     if dist.is_initialized():
         raise RuntimeError("fsdptag.estimate needs to own the process group; call it in a fresh process")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
@@ -203,13 +240,13 @@ def estimate(model: str, world_size: int, *, tp: int = 1, hsdp_replicas: int = 1
         mesh = build_mesh("cpu", world_size, tp, hsdp_replicas)
         for policy in policies:
             fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-            m = build_model(cfg, mesh, policy=policy, reshard=reshard_after_forward, ac=ac, mp=mp,
+            m = build_model(spec, mesh, policy=policy, reshard=reshard_after_forward, ac=ac, mp=mp,
                             fake_mode=fake_mode)
             with fake_mode, _EagerAliasingWait():
-                tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1))
+                tokens = torch.randint(0, spec.vocab_size, (batch, seq_len + 1))
                 numbers = measure_step(m, tokens)
             results.append(MemoryEstimate(
-                policy=policy, model=model, world_size=world_size, tp=tp, hsdp_replicas=hsdp_replicas,
+                policy=policy, model=spec.name, world_size=world_size, tp=tp, hsdp_replicas=hsdp_replicas,
                 reshard_after_forward=reshard_after_forward, ac=ac, mp=mp, seq_len=seq_len,
                 batch=batch, **numbers,
             ))

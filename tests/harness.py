@@ -13,7 +13,7 @@ import pytest
 import torch.distributed as dist
 
 import fsdptag
-from fsdptag.launch import spawn as launch
+from fsdptag.testing.launch import spawn as launch
 
 __all__ = ["launch", "run_cases", "result", "parametrize_error"]
 

@@ -19,9 +19,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import fsdptag
-from fsdptag.baselines import apply_baseline_ac
+from fsdptag.testing.baselines import apply_baseline_ac
 from fsdptag.debug import CollectiveCounter, LiveStorageTracker
-from fsdptag.models.llama import Llama, LlamaConfig, apply_tp
+from fsdptag.testing.llama import Llama, LlamaConfig, apply_tp
 
 from .harness import launch, result, run_cases
 

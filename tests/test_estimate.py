@@ -9,7 +9,6 @@ import torch
 import torch.distributed as dist
 
 from fsdptag import estimate as est
-from fsdptag.models.llama import CONFIGS
 
 from .harness import launch
 
@@ -19,14 +18,14 @@ CASES = [(False, "selective"), (True, "full")]
 
 def worker_real():
     """Each policy's real step on 2 gloo ranks, measured like the estimator does."""
-    cfg = CONFIGS["llama3-debug"].with_(max_seq_len=SEQ)
+    spec = est.builtin_model("llama3-debug", SEQ)
     mesh = est.build_mesh("cpu", dist.get_world_size(), 1, 1)
     out = {}
     for reshard, ac in CASES:
         for policy in est.POLICIES:
             torch.manual_seed(0)
-            model = est.build_model(cfg, mesh, policy=policy, reshard=reshard, ac=ac, mp="bf16")
-            tokens = torch.randint(0, cfg.vocab_size, (1, SEQ + 1))
+            model = est.build_model(spec, mesh, policy=policy, reshard=reshard, ac=ac, mp="bf16")
+            tokens = torch.randint(0, spec.vocab_size, (1, SEQ + 1))
             # gloo's thread sometimes frees a collective's buffers late, which can only
             # add to a real peak (seen: +7% in about one run in ten); the lowest of three
             # steps is the program's own peak.

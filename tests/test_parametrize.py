@@ -20,7 +20,8 @@ from torch.utils.checkpoint import checkpoint
 
 import fsdptag
 from fsdptag import FSDPTaggedTensor
-from fsdptag._bucket import _open_scopes
+from fsdptag._bucket import open_scopes
+from fsdptag._state import module_state
 from fsdptag.debug import CollectiveCounter, LiveStorageTracker
 
 from . import models
@@ -405,7 +406,16 @@ def _prefetch(mesh, r):
 
 
 def _bucket_roots(model):
-    return [m for m in model.modules() if "_fsdptag_buckets" in m.__dict__]
+    return [m for m in model.modules() if module_state(m) is not None and module_state(m).buckets]
+
+
+def _buckets(module):
+    return module_state(module).buckets
+
+
+def _registered(b):
+    """(module, name) of each parameter of bucket ``b``, in slot order."""
+    return [(p.module_info.module, p.module_info.name) for p in b.params]
 
 
 def _is_bound(model) -> bool:
@@ -413,16 +423,16 @@ def _is_bound(model) -> bool:
     return all(
         b.flat is not None and all(
             m._parameters[n]._local_tensor.untyped_storage().data_ptr()
-            == b.flat.untyped_storage().data_ptr() for m, n, _ in b.entries)
-        for root in _bucket_roots(model) for b in root._fsdptag_buckets)
+            == b.flat.untyped_storage().data_ptr() for m, n in _registered(b))
+        for root in _bucket_roots(model) for b in _buckets(root))
 
 
 def _bucketed_equals_per_param(model) -> bool:
     """A bucket's gather gives every parameter exactly its per-parameter gather."""
     same = True
     for root in _bucket_roots(model):
-        with _open_scopes(root._fsdptag_buckets):
-            bucketed = [(m, n, getattr(m, n)) for b in root._fsdptag_buckets for m, n, _ in b.entries]
+        with open_scopes(_buckets(root)):
+            bucketed = [(m, n, getattr(m, n)) for b in _buckets(root) for m, n in _registered(b)]
         for m, n, t in bucketed:
             same &= torch.equal(t.detach(), getattr(m, n).detach())
     return same
@@ -439,7 +449,7 @@ def _bucket_storage(mesh):
     out["default roots"] = [fqn for fqn, m in default.named_modules() if m in _bucket_roots(default)]
     out["equal"] = _bucketed_equals_per_param(model)
     log = _OpLog()
-    with _open_scopes(model.layers[0]._fsdptag_buckets), log:
+    with open_scopes(_buckets(model.layers[0])), log:
         model.layers[0].fc1.weight
     out["ops"] = log.ops
 
@@ -489,7 +499,7 @@ def _mixed_dtype_bucket(mesh, dp_rank):
     models.train_parallel(bucketed, STEPS, 2, dp_rank)
     a, b = models.full_params(bucketed), models.full_params(per_param)
     return {
-        "buckets": [b.name for b in bucketed.layers[0]._fsdptag_buckets],
+        "buckets": [b.name for b in _buckets(bucketed.layers[0])],
         "dtypes": sorted({str(p.dtype) for p in a.values()}),
         "gathers": cc.count("forward", "all_gather"),
         "max diff": max((a[k].float() - b[k].float()).abs().max().item() for k in a),

@@ -17,8 +17,8 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from ._checkpoint import _as_policy, _parse_ac, _SaveOps, checkpoint_blocks
-from ._tag import innermost, is_fsdp_tagged
+from .._checkpoint import _as_policy, _parse_ac, checkpoint_blocks, fresh_base
+from .._tag import innermost, is_fsdp_tagged
 
 __all__ = ["NAME_SAVED_OPS", "OpNamePolicy", "apply_baseline_ac"]
 
@@ -67,7 +67,7 @@ def apply_baseline_ac(
 
     def make_context_fn():
         def context_fn():
-            fresh = base.fresh() if isinstance(base, _SaveOps) else base
+            fresh = fresh_base(base)
             chosen = OpNamePolicy(fresh, untagged_saved) if policy == "op-name" else _as_policy(fresh)
             return create_selective_checkpoint_contexts(chosen)
 

@@ -1,7 +1,7 @@
 """A Llama-3-style decoder, its configs and its tensor-parallel plan.
 
-Shared by ``examples/train_llama.py``, the tests, the benchmark and the memory
-estimator. Token embedding, RMSNorm, RoPE, grouped-query attention through
+A test fixture shared by ``examples/train_llama.py``, the tests, the benchmark
+and the memory estimator's built-in models. Token embedding, RMSNorm, RoPE, grouped-query attention through
 ``scaled_dot_product_attention``, SwiGLU MLP, output head. Attention runs on
 local tensors with per-rank head counts (as torchtitan does): DTensor has no
 sharding rule for the CPU flash-attention kernel.
@@ -16,6 +16,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 __all__ = ["LlamaConfig", "CONFIGS", "Llama", "apply_tp"]
 
@@ -125,7 +133,6 @@ class Llama(nn.Module):
 
     def init_weights(self, seed: int = 0) -> None:
         """Deterministic init (call under ``fsdptag.disable_active_parametrization()``)."""
-        from torch.distributed.tensor import DTensor, distribute_tensor
 
         g = torch.Generator().manual_seed(seed)
         for name, p in self.named_parameters():
@@ -157,14 +164,6 @@ def apply_tp(model: Llama, tp_mesh: DeviceMesh) -> None:
     activations between blocks are sequence shards. Head counts must divide the
     TP degree.
     """
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
 
     tp = tp_mesh.size()
     cfg = model.cfg

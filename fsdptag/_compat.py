@@ -1,0 +1,112 @@
+"""Every private torch API fsdptag relies on, in one place.
+
+A torch upgrade that changes one of these fails here and in ``tests/test_compat.py``
+(which pins each assumption below), not somewhere deep in the runtime.
+
+=================================================  ==========================================
+what                                               why fsdptag needs it
+=================================================  ==========================================
+``checkpoint._CachingTorchDispatchMode`` /          the SAC modes: the replay check subclasses
+``_CachedTorchDispatchMode``                        them; a bucket scope finds its region by them
+SAC's error texts (``SAC_REPLAY_ERRORS``)           to re-raise replay failures with the cause
+``_get_current_dispatch_mode_stack``                the innermost SAC region running now
+``torch._functionalize_unsafe_set``                 a view's tagged wrapper aliases its base
+``_top_saved_tensors_default_hooks``                zero3 hooks only where nobody else has any
+``torch._C._current_graph_task_id``                 "inside backward" (``in_backward``)
+``DeviceMesh._concatenate``                         the (dp, tp) mesh of a TP parameter
+``unset_fake_temporarily``                          mesh bookkeeping while estimating on fakes
+``_prims_common.make_contiguous_strides_for``       the stride DTensor.from_local is told
+``distributed.utils._apply_to_tensors``             casting nested forward inputs, as FSDP2 does
+``placement_types._StridedShard``                   FSDP sharding a dim TP already shards
+``_functional_collectives.AsyncCollectiveTensor``  the all-gather output before its wait
+``testing._internal...fake_pg.FakeStore``           the estimator's ``fake`` process group
+``StorageWeakRef``, ``UntypedStorage._expired`` /   the live-storage tracker: weak references
+``_new_with_weak_ptr``                              to storages, checked without reviving them
+=================================================  ==========================================
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._prims_common import make_contiguous_strides_for
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.utils import _apply_to_tensors
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
+
+__all__ = [
+    "AsyncCollectiveTensor",
+    "FakeStore",
+    "SACCachedMode",
+    "SACCachingMode",
+    "StorageWeakRef",
+    "StridedShard",
+    "apply_to_tensors",
+    "concatenate_meshes",
+    "contiguous_strides",
+    "current_sac_region",
+    "in_backward",
+    "is_sac_replay_error",
+    "others_saved_tensor_hooks_active",
+    "set_alias_storage",
+    "storage_expired",
+    "storage_from_weak",
+    "unset_fake_temporarily",
+]
+
+SACCachingMode = _CachingTorchDispatchMode  # SAC's forward mode (runs the policy)
+SACCachedMode = _CachedTorchDispatchMode  # SAC's recompute mode (replays by op index)
+StridedShard = _StridedShard
+apply_to_tensors = _apply_to_tensors
+storage_expired = torch.UntypedStorage._expired  # (weak cdata) -> bool
+storage_from_weak = torch.UntypedStorage._new_with_weak_ptr  # (weak cdata) -> storage
+
+# Substrings of the errors SAC raises when a recompute cannot be replayed from its
+# cache: an op the forward did not run, or a second backward through the region.
+SAC_REPLAY_ERRORS = ("not found in storage", "backward an extra time")
+
+
+def is_sac_replay_error(e: BaseException) -> bool:
+    """Whether ``e`` is SAC's own failure to replay a recompute from its cache."""
+    return isinstance(e, RuntimeError) and any(s in str(e) for s in SAC_REPLAY_ERRORS)
+
+
+def current_sac_region():
+    """The innermost selective-checkpoint region running now (its SAC mode), or None."""
+    for mode in reversed(_get_current_dispatch_mode_stack()):
+        if isinstance(mode, (_CachingTorchDispatchMode, _CachedTorchDispatchMode)):
+            return mode
+    return None
+
+
+def in_backward() -> bool:
+    """Whether the autograd engine is running this code (backward, or a checkpoint
+    recompute inside it)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def others_saved_tensor_hooks_active() -> bool:
+    """Whether saved-tensor hooks (e.g. a checkpoint region's) are active now."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+def set_alias_storage(out: torch.Tensor, base: torch.Tensor) -> None:
+    """Make the wrapper ``out`` alias ``base``'s storage (what
+    ``return_and_correct_aliasing`` does for view ops)."""
+    torch._functionalize_unsafe_set(out, base)
+
+
+def contiguous_strides(shape) -> tuple[int, ...]:
+    return tuple(make_contiguous_strides_for(shape))
+
+
+def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
+    """One mesh spanning ``meshes``' dims (sub-meshes of one root mesh); raises
+    RuntimeError when they are not. Real even while estimating on fake tensors."""
+    with unset_fake_temporarily():
+        return DeviceMesh._concatenate(meshes)

@@ -1,0 +1,251 @@
+"""One parameter's gather: from the stored shard to the tensor compute uses.
+
+Note [Parametrization]
+----------------------
+Each parameter is stored as a sharded ``DTensor`` (``Shard(shard_dim)`` for
+FSDP, ``Replicate`` for DDP, ``(Replicate, Shard)`` for HSDP; with TP the
+data-parallel placements are prepended to the TP placements, using
+``_StridedShard`` when TP shards the same dim). The module's class is swapped
+for a subclass whose property for each parameter name calls its
+:class:`ParamGather`: the shard, tagged at this boundary (see Note [Tag life
+cycle] in ``_tag.py``), redistributed to ``Replicate`` over the data-parallel
+mesh only (cast to ``param_dtype`` first) and handed to compute as a plain
+tensor, or as a DTensor on the TP mesh. The gradient path is DTensor's:
+``to_local(grad_placements=Partial("avg"))`` makes backward reduce-scatter
+(FSDP), all-reduce (DDP) or both (HSDP) in ``reduce_dtype``. A parameter in a
+bucket is served by the bucket instead while its root's ``forward`` runs (Note
+[Buckets] in ``_bucket.py``).
+
+Because ``state_dict()`` and optimizers read ``module._parameters`` directly,
+they see only the stored DTensors: no collective, no tagged tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor.placement_types import Placement
+
+from ._api import MixedPrecisionPolicy
+from ._compat import contiguous_strides
+from ._tag import FSDPTag, alias, check_unchanged, refuse_in_place, tag_shard, untag
+
+if TYPE_CHECKING:
+    from ._bucket import Bucket
+
+__all__ = [
+    "Handouts",
+    "ParamGather",
+    "ParamModuleInfo",
+    "disable_active_parametrization",
+    "disable_tagging",
+    "flags",
+    "makes_copy",
+]
+
+
+class _Flags(threading.local):
+    active = True  # parameter access gathers (False: it returns the stored DTensor)
+    tagging = True  # gathers carry the tag (False: for overhead measurements only)
+
+
+flags = _Flags()
+
+
+@contextlib.contextmanager
+def _set_flag(name: str, value: bool) -> Iterator[None]:
+    previous = getattr(flags, name)
+    setattr(flags, name, value)
+    try:
+        yield
+    finally:
+        setattr(flags, name, previous)
+
+
+def disable_active_parametrization() -> contextlib.AbstractContextManager[None]:
+    """Within this context, parameter access returns the stored sharded DTensor.
+
+    Use it to initialize weights after meta-device construction, or to inspect or
+    modify the stored shards.
+
+    Example::
+
+        >>> with torch.device("meta"):
+        ...     model = Model()
+        >>> fsdptag.parametrize(model, mesh)
+        >>> model.to_empty(device="cpu")
+        >>> with fsdptag.disable_active_parametrization():
+        ...     model.reset_parameters()
+    """
+    return _set_flag("active", False)
+
+
+def disable_tagging() -> contextlib.AbstractContextManager[None]:
+    """Gather parameters without the provenance tag (to measure the tag's overhead).
+
+    Without tags the checkpoint policy cannot see FSDP results and zero3 keeps
+    gathered parameters like zero2; use it for measurements only.
+    """
+    return _set_flag("tagging", False)
+
+
+def makes_copy(collective: bool, param_dtype: torch.dtype | None, stored_dtype: torch.dtype) -> bool:
+    """Whether a gather makes a new tensor (a collective or a cast); DDP without a
+    cast hands out the stored parameter itself, as plain DDP does."""
+    return collective or param_dtype not in (None, stored_dtype)
+
+
+@dataclass(eq=False)
+class ParamModuleInfo:
+    """Where one stored parameter is registered (FSDP2's record of the same name):
+    ``module.name``, and for tied weights every further ``(module, name)``."""
+
+    module: nn.Module
+    name: str
+    shared_modules: list[nn.Module] = field(default_factory=list)
+    shared_names: list[str] = field(default_factory=list)
+
+    @property
+    def stored(self) -> DTensor:
+        """The stored (sharded) parameter."""
+        return self.module._parameters[self.name]
+
+    def registrations(self) -> Iterator[tuple[nn.Module, str]]:
+        yield self.module, self.name
+        yield from zip(self.shared_modules, self.shared_names)
+
+
+class ParamGather:
+    """Turns one stored (sharded) parameter into the gathered tensor compute uses;
+    see Note [Parametrization]."""
+
+    def __init__(
+        self,
+        tag: FSDPTag,
+        module_info: ParamModuleInfo,
+        dp_mesh: DeviceMesh,
+        dp_placements: tuple[Placement, ...],
+        dp_shape: torch.Size,
+        mp: MixedPrecisionPolicy,
+        tp_mesh: DeviceMesh | None,
+        tp_placements: tuple[Placement, ...],
+        shape: torch.Size,
+        handouts: Handouts,
+    ) -> None:
+        self.tag = tag
+        self.module_info = module_info
+        self.dp_mesh = dp_mesh
+        self.dp_placements = dp_placements
+        # Whether the gather runs a collective: not for DDP, nor over a size-1 shard dim.
+        self.collective = any(not isinstance(p, Replicate) and dp_mesh.size(i) > 1
+                              for i, p in enumerate(dp_placements))
+        self.dp_shape = dp_shape  # shape of the tensor the dp mesh shards (TP-local for TP params)
+        self.dp_stride = contiguous_strides(dp_shape)
+        self.compute_placements = (Replicate(),) * dp_mesh.ndim
+        self.grad_placements = (Partial("avg"),) * dp_mesh.ndim
+        self.param_dtype = mp.param_dtype
+        self.reduce_dtype = mp.reduce_dtype or mp.param_dtype
+        self.tp_mesh = tp_mesh
+        self.tp_placements = tp_placements
+        self.shape = shape
+        self.stride = contiguous_strides(shape)
+        self.handouts = handouts  # the root's check of per-parameter handouts
+        self.bucket: Bucket | None = None  # set when bucketed (Note [Buckets])
+
+    @property
+    def fqn(self) -> str:
+        return self.tag.fqn
+
+    def __call__(self, stored: DTensor) -> torch.Tensor:
+        """What ``module.<name>`` returns, given the module's stored parameter."""
+        if not flags.active:
+            return stored
+        if self.bucket is not None:
+            gathered = self.bucket.lookup(self, flags.tagging)
+            if gathered is not None:
+                return gathered
+        copies = self.copies(stored)
+        gathered = self.gather(stored, tagged=flags.tagging, copies=copies)
+        if copies:  # otherwise the handout is the stored parameter itself
+            self.handouts.record(gathered, self.fqn)
+        return gathered
+
+    def copies(self, stored: DTensor) -> bool:
+        return makes_copy(self.collective, self.param_dtype, stored.dtype)
+
+    def gather(self, stored: DTensor, *, tagged: bool, copies: bool | None = None) -> torch.Tensor:
+        """All-gather ``stored`` over the dp mesh; differentiable."""
+        if copies is None:
+            copies = self.copies(stored)
+        # No FSDP op, or nothing to checkpoint (inference_mode): no tag (Note [Marked
+        # handout] in _tag.py).
+        tagged = tagged and copies and not torch.is_inference_mode_enabled()
+        local = stored.to_local()
+        if tagged:
+            local = tag_shard(local, self.tag)
+        sharded = DTensor.from_local(
+            local, self.dp_mesh, self.dp_placements, run_check=False,
+            shape=self.dp_shape, stride=self.dp_stride,
+        )
+        full = sharded.redistribute(
+            self.dp_mesh, self.compute_placements,
+            forward_dtype=self.param_dtype, backward_dtype=self.reduce_dtype,
+        ).to_local(grad_placements=self.grad_placements)
+        if not copies:
+            return self.on_tp_mesh(alias(full))
+        out = self.on_tp_mesh(untag(full) if tagged else full)
+        return refuse_in_place(out) if self.tp_mesh is not None else out
+
+    def regather(self) -> dict[ParamGather, torch.Tensor]:
+        """A fresh tagged gather, as the zero3 hooks re-gather (Note [zero3 by saved-tensor hooks])."""
+        return {self: self.gather(self.module_info.stored, tagged=True)}
+
+    def on_tp_mesh(self, full: torch.Tensor) -> torch.Tensor:
+        """The gathered (TP-local) tensor as compute sees it: a DTensor on the TP mesh
+        for TP parameters, else as is."""
+        if self.tp_mesh is None:
+            return full
+        return DTensor.from_local(
+            full, self.tp_mesh, self.tp_placements, run_check=False,
+            shape=self.shape, stride=self.stride,
+        )
+
+
+class Handouts:
+    """The check that rejects in-place changes to parameters gathered alone (a
+    bucket's are checked when its root's ``forward`` returns).
+
+    A gathered parameter is a temporary copy (or, zero2 under AC, recomputed in
+    backward), so an in-place op on it inside ``forward`` would be lost or make
+    forward and backward disagree. Compute gets plain tensors (Note [Marked
+    handout] in ``_tag.py``), which cannot refuse the op themselves; with grad on,
+    autograd refuses it (the handout is a view returned by a custom Function).
+    Otherwise each handout is recorded with its version counter and checked when
+    the root's ``forward`` returns, if still alive: held by a weak reference, so
+    zero3 still frees it, and a modified copy that nobody keeps is just lost.
+    """
+
+    def __init__(self) -> None:
+        self._frame: list | None = None  # this forward's handouts; None outside forward
+
+    def record(self, t: torch.Tensor, fqn: str) -> None:
+        if self._frame is not None and not torch.is_inference_mode_enabled():  # no versions there
+            self._frame.append((weakref.ref(t), t._version, fqn))
+
+    def open(self) -> None:
+        # One frame: a forward that raised leaves it, replaced here; a nested call of the
+        # root's forward would start afresh (and its caller's handouts go unchecked).
+        self._frame = []
+
+    def close(self, check: bool) -> None:
+        handed, self._frame = self._frame, None
+        if check:
+            check_unchanged((ref(), version, fqn) for ref, version, fqn in handed or ())

@@ -1,0 +1,156 @@
+"""Per-model state: one :class:`RootState` per parametrized model, and the module
+records that point at it.
+
+Note [Root forward]
+-------------------
+The root module gets one forward pre-hook and one forward post-hook (the post-hook
+runs also when ``forward`` raises), both owned by the root state, which keeps their
+handles. In order:
+
+pre-forward
+  1. open the frame of per-parameter handouts (their in-place check)
+  2. prefetch: forget the last forward's unclaimed all-gathers, start recording
+     this forward's bucket order (Note [Prefetch] in ``_prefetch.py``)
+  3. zero3: push the saved-tensor hooks (Note [zero3 by saved-tensor hooks])
+  4. cast floating-point inputs, nested ones too, to ``param_dtype``
+
+post-forward
+  1. zero3: pop the saved-tensor hooks
+  2. prefetch: wait out unclaimed all-gathers, keep the order for the next forward
+  3. check the per-parameter handouts for in-place changes, unless ``forward``
+     raised (that error is the one to see)
+
+A bucket root's own gather scope is opened by its generated ``forward``, not by a
+hook: it must open inside any checkpoint wrapper (Note [Buckets]).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+from torch.utils.hooks import RemovableHandle
+
+from ._api import MixedPrecisionPolicy
+from ._bucket import Bucket, scoped
+from ._class_swap import swap_class
+from ._compat import apply_to_tensors
+from ._param import Handouts, ParamGather
+from ._prefetch import Prefetcher
+from ._reshard import Zero3SavedTensorHooks
+
+__all__ = ["ModuleState", "RootState", "module_state"]
+
+_STATE = "_fsdptag"  # a parametrized module's ModuleState, in its __dict__
+
+
+class RootState:
+    """What fsdptag keeps for one parametrized model; see Note [Root forward]."""
+
+    def __init__(self, mp: MixedPrecisionPolicy, prefetch: bool) -> None:
+        self.handouts = Handouts()
+        self.prefetcher = Prefetcher() if prefetch else None
+        self.zero3: Zero3SavedTensorHooks | None = None
+        self.cast_dtype = mp.param_dtype if mp.cast_forward_inputs else None
+        self.handles: list[RemovableHandle] = []
+        self._errors_at_entry: list = []  # the exception being handled when forward began
+
+    def install(self, root: nn.Module, params: dict[str, ParamGather], any_bucket: bool) -> None:
+        """Register the root's hooks (``params``: every stored parameter by FQN)."""
+        if self.prefetcher is not None and not any_bucket:
+            self.prefetcher = None  # nothing to prefetch
+        if any(p.tag.reshard_after_forward for p in params.values()):
+            self.zero3 = Zero3SavedTensorHooks(params)
+        self.handles = [
+            root.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
+            root.register_forward_hook(self._post_forward, always_call=True),
+        ]
+
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
+        self._errors_at_entry.append(sys.exc_info()[1])
+        self.handouts.open()
+        if self.prefetcher is not None:
+            self.prefetcher.pre_forward()
+        if self.zero3 is not None:
+            self.zero3.pre_forward()
+        if self.cast_dtype is not None:
+            return apply_to_tensors(self._cast, (args, kwargs))
+        return None
+
+    def _cast(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.cast_dtype) if x.is_floating_point() else x
+
+    def _post_forward(self, module: nn.Module, args: tuple, output) -> None:
+        # nn.Module runs an always-called hook from its `except` clause when forward
+        # raised: then the exception being handled is a new one.
+        raised = sys.exc_info()[1] is not self._errors_at_entry.pop()
+        if self.zero3 is not None:
+            self.zero3.post_forward()
+        if self.prefetcher is not None:
+            self.prefetcher.post_forward()
+        self.handouts.close(check=not raised)
+
+
+@dataclass(eq=False)
+class ModuleState:
+    """A parametrized module's part: its parameters' gathers by name and, for a bucket
+    root, its buckets (one per dtype and reshard decision)."""
+
+    root: RootState
+    params: dict[str, ParamGather] = field(default_factory=dict)
+    buckets: tuple[Bucket, ...] = ()
+
+
+def module_state(module: nn.Module) -> ModuleState | None:
+    """``module``'s fsdptag state, or None when parametrize did not touch it."""
+    return module.__dict__.get(_STATE)
+
+
+def attach(module: nn.Module, state: ModuleState) -> None:
+    """Record ``state`` on ``module`` and give it the generated class its parts need:
+    a gathering property per parameter name, and a bucket scope for a bucket root."""
+    module.__dict__[_STATE] = state
+    if state.params:
+        names = tuple(state.params)
+        swap_class(module, "FSDPTag", lambda cls: _param_properties(names), key=names)
+    if state.buckets:
+        swap_class(module, "Bucketed", _bucket_root_methods)
+        module.register_load_state_dict_post_hook(_rebind_after_load)
+
+
+def _access(module: nn.Module, name: str) -> torch.Tensor:
+    try:
+        return module.__dict__[_STATE].params[name](module._parameters[name])
+    except AttributeError as e:
+        # nn.Module.__getattr__ would swallow it and hand out the stored shard instead.
+        raise RuntimeError(f"fsdptag: gathering {name!r} of {type(module).__name__} failed: {e!r}") from e
+
+
+def _param_properties(names: tuple[str, ...]) -> dict:
+    props: dict = {name: property(functools.partial(_access, name=name)) for name in names}
+    props["_fsdptag_param_names"] = names
+    return props
+
+
+def _bucket_root_methods(cls: type) -> dict:
+    """A ``forward`` run in a fresh gather scope of the module's buckets and an
+    ``_apply`` (``to_empty``, ``to``) that rebinds their storage (Note [Bound storage])."""
+
+    def forward(self, *args, **kwargs):
+        return scoped(self.__dict__[_STATE].buckets, functools.partial(cls.forward, self))(*args, **kwargs)
+
+    def _apply(self, fn, *args, **kwargs):
+        out = cls._apply(self, fn, *args, **kwargs)
+        for b in self.__dict__[_STATE].buckets:
+            b.bind()
+        return out
+
+    return {"forward": forward, "_apply": _apply}
+
+
+def _rebind_after_load(module: nn.Module, incompatible_keys) -> None:
+    for b in module.__dict__[_STATE].buckets:  # load_state_dict(assign=True) replaces parameters
+        b.bind()

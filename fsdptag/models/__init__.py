@@ -1,1 +1,0 @@
-"""Model definitions shared by examples, tests, benchmarks and the estimator."""
