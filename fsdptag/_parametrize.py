@@ -77,9 +77,9 @@ def parametrize(
     for fqn, gather in plan.params.items():
         for module, name in gather.module_info.registrations():
             module.register_parameter(name, plan.sharded[fqn])
-    for module, state in plan.modules.values():
-        attach(module, state)
-    plan.root.install(model, plan.params, any_bucket=any(s.buckets for _, s in plan.modules.values()))
+    for change in plan.modules.values():
+        attach(change.module, change.state)
+    plan.root.install(model, plan.params, any_bucket=any(c.state.buckets for c in plan.modules.values()))
     return model
 
 

@@ -26,7 +26,7 @@ from ._param import ParamGather, ParamModuleInfo
 from ._state import ModuleState, RootState, module_state
 from ._tag import FSDPTag
 
-__all__ = ["Plan", "plan_parametrization"]
+__all__ = ["ModuleChange", "Plan", "plan_parametrization"]
 
 
 @dataclass
@@ -49,13 +49,21 @@ class Plan:
     root: RootState
     params: dict[str, ParamGather]  # one per stored parameter, by its first FQN
     sharded: dict[str, nn.Parameter]  # the new stored parameters, by the same FQN
-    modules: dict[int, tuple[nn.Module, ModuleState]] = field(default_factory=dict)  # by id
+    modules: dict[int, ModuleChange] = field(default_factory=dict)  # by id(module)
 
     def state_of(self, module: nn.Module) -> ModuleState:
-        entry = self.modules.get(id(module))
-        if entry is None:
-            entry = self.modules[id(module)] = (module, ModuleState(self.root))
-        return entry[1]
+        change = self.modules.get(id(module))
+        if change is None:
+            change = self.modules[id(module)] = ModuleChange(module, ModuleState(self.root))
+        return change.state
+
+
+@dataclass
+class ModuleChange:
+    """A module ``parametrize`` will change, and the state it will attach to it."""
+
+    module: nn.Module
+    state: ModuleState
 
 
 def plan_parametrization(model: nn.Module, mesh, mode, reshard_after_forward, mp_policy,
@@ -307,8 +315,8 @@ def _mode_for(dp_mesh: DeviceMesh, mode: DataParallelMode | None, tp_names: tupl
             return DataParallelMode.FULLY_SHARD if dp_mesh.ndim == 1 else DataParallelMode.HYBRID_SHARD
         raise ValueError(
             f"data-parallel mesh has {dp_mesh.ndim} dims {names or ''}; pass a 1D mesh "
-            "(mode='fully_shard' or 'replicate') or a 2D (replicate, shard) mesh (mode='hybrid_shard'), "
-            "e.g. mesh[('replicate', 'shard')]"
+            "(mode='fully_shard' or 'replicate') or a 2D (replicate, shard) mesh (mode='hybrid_shard')"
+            + (f", e.g. mesh[{names[-2:]!r}]" if names else "")
         )
     if dp_mesh.ndim != mode.mesh_ndim:
         fix = (

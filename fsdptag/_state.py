@@ -55,7 +55,7 @@ class RootState:
         self.prefetcher = Prefetcher() if prefetch else None
         self.zero3: Zero3SavedTensorHooks | None = None
         self.cast_dtype = mp.param_dtype if mp.cast_forward_inputs else None
-        self.handles: list[RemovableHandle] = []
+        self.handles: list[RemovableHandle] = []  # every hook fsdptag registered on the model
         self._errors_at_entry: list = []  # the exception being handled when forward began
 
     def install(self, root: nn.Module, params: dict[str, ParamGather], any_bucket: bool) -> None:
@@ -64,7 +64,7 @@ class RootState:
             self.prefetcher = None  # nothing to prefetch
         if any(p.tag.reshard_after_forward for p in params.values()):
             self.zero3 = Zero3SavedTensorHooks(params)
-        self.handles = [
+        self.handles += [
             root.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
             root.register_forward_hook(self._post_forward, always_call=True),
         ]
@@ -118,7 +118,7 @@ def attach(module: nn.Module, state: ModuleState) -> None:
         swap_class(module, "FSDPTag", lambda cls: _param_properties(names), key=names)
     if state.buckets:
         swap_class(module, "Bucketed", _bucket_root_methods)
-        module.register_load_state_dict_post_hook(_rebind_after_load)
+        state.root.handles.append(module.register_load_state_dict_post_hook(_rebind_after_load))
 
 
 def _access(module: nn.Module, name: str) -> torch.Tensor:

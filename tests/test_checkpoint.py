@@ -1,4 +1,4 @@
-"""Specification of fsdptag's activation checkpointing (issue 3), on a small Llama.
+"""Specification of fsdptag's activation checkpointing, on a small Llama.
 
 Matrix: {DDP 2, FSDP 2, HSDP 2x2, FSDP+TP(SP) 2x2} x {none, full, selective-op,
 selective-layer} x {zero2, zero3}, bf16 params / fp32 reduce. Two launches.

@@ -587,6 +587,45 @@ def _bad_input(mesh, mesh2d):
     return out
 
 
+def _default_mode(mesh, hsdp_2x1, mesh_tp1):
+    """``parametrize(model, mesh)`` picks the mode from the data-parallel mesh dims."""
+    out = {}
+
+    def placements(mesh_, **kwargs):
+        model = models.make_net()
+        fsdptag.parametrize(model, mesh_, **kwargs)
+        return str(tuple(model._parameters["head"].placements if "head" in model._parameters
+                         else model.head._parameters["weight"].placements))
+
+    out["1 dim"] = placements(mesh)
+    out["2 dims"] = placements(hsdp_2x1)
+    out["explicit mode wins"] = placements(mesh, mode="replicate")
+    out["TP dim unused"] = parametrize_error(models.make_net, mesh=mesh_tp1)
+    mesh3d = init_device_mesh("cpu", (1, 1, 2), mesh_dim_names=("x", "y", "z"))
+    out["3 dims"] = parametrize_error(models.make_net, mesh=mesh3d)
+    return out
+
+
+class _DictInput(nn.Module):
+    """Takes its input nested in a dict and a list, as Hugging Face models take kwargs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, batch):
+        x, (y,) = batch["x"], batch["rest"]
+        return {"dtypes": (x.dtype, y.dtype, batch["ids"].dtype), "out": self.lin(x) + y}
+
+
+def _nested_input_cast(mesh):
+    model = _DictInput()
+    fsdptag.parametrize(model, mesh, mp_policy=fsdptag.MixedPrecisionPolicy(torch.bfloat16))
+    batch = {"x": torch.randn(2, 4), "rest": [torch.randn(2, 4)], "ids": torch.arange(2)}
+    out = model(batch)
+    return str(out["dtypes"] + (out["out"].dtype, batch["x"].dtype))
+
+
 def worker_2ranks():
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     mesh2d = init_device_mesh("cpu", (1, 2), mesh_dim_names=("a", "b"))
@@ -636,6 +675,8 @@ def worker_2ranks():
     cases["shard_dim 1"] = functools.partial(_shard_dim_1, mesh, r)
     cases["mixed dtype bucket"] = functools.partial(_mixed_dtype_bucket, mesh, r)
     cases["bad input"] = functools.partial(_bad_input, mesh, mesh2d)
+    cases["default mode"] = functools.partial(_default_mode, mesh, hsdp_2x1, mesh_tp1)
+    cases["nested input cast"] = functools.partial(_nested_input_cast, mesh)
     return run_cases(cases)
 
 
@@ -870,6 +911,20 @@ parametrize twice: ValueError: Net is already parametrized by fsdptag; call fsdp
 reshard of wrong type: TypeError: reshard_after_forward='yes' must be a bool, a callable (module_fqn, module) -> bool, or a dict of module-FQN prefixes to bools
 reshard names missing module: ValueError: reshard_after_forward names module 'layers.7', which is not in the model; use module FQNs from model.named_modules() ("" sets the default)
 prefetch of wrong type: TypeError: prefetch=1 must be True (issue the next bucket's all-gather early) or False""")
+
+
+def test_default_mode(two_ranks):
+    text = "\n".join(f"{k}: {v}" for k, v in result(two_ranks, "default mode").items())
+    assert_expected_inline(text, """\
+1 dim: (Shard(dim=0),)
+2 dims: (Replicate(), Shard(dim=0))
+explicit mode wins: (Replicate(),)
+TP dim unused: ValueError: mesh dim 'tp' looks like a TP dim but no parameter is on it; call parallelize_module on the TP sub-mesh first, or pass mode='fully_shard' / 'hybrid_shard' / 'replicate' to data-parallelize over it
+3 dims: ValueError: data-parallel mesh has 3 dims ('x', 'y', 'z'); pass a 1D mesh (mode='fully_shard' or 'replicate') or a 2D (replicate, shard) mesh (mode='hybrid_shard'), e.g. mesh[('y', 'z')]""")
+
+
+def test_nested_inputs_are_cast(two_ranks):
+    assert_expected_inline(result(two_ranks, "nested input cast"), """(torch.bfloat16, torch.bfloat16, torch.int64, torch.bfloat16, torch.float32)""")
 
 
 # ---------------------------------------------------------------- 4 ranks: HSDP, TP, uneven

@@ -1,4 +1,4 @@
-"""Reliability (issue 6): DCP checkpoints, gradient accumulation, eval, bad input,
+"""Reliability: DCP checkpoints, gradient accumulation, eval, bad input,
 a property test, and no leaked tags. Three launches: 4 ranks, 2 ranks, 2 ranks (load)."""
 
 from __future__ import annotations

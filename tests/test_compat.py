@@ -1,0 +1,142 @@
+"""The private torch APIs of ``fsdptag/_compat.py``: each assumption fsdptag makes, pinned.
+
+When a torch upgrade breaks one of these, this file names it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.autograd.graph import saved_tensors_hooks
+from torch.distributed.device_mesh import init_device_mesh
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fsdptag import _compat as compat
+
+
+@pytest.fixture
+def fake_pg():
+    dist.init_process_group("fake", store=compat.FakeStore(), rank=0, world_size=4)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _save_all(ctx, func, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE
+
+
+def test_sac_modes_and_current_region():
+    caching, cached = create_selective_checkpoint_contexts(_save_all)
+    assert isinstance(caching, compat.SACCachingMode) and isinstance(cached, compat.SACCachedMode)
+    seen = []
+
+    def region(x):
+        seen.append(type(compat.current_sac_region()))
+        return x.sin().cos()
+
+    assert compat.current_sac_region() is None
+    x = torch.randn(3, requires_grad=True)
+    checkpoint(region, x, use_reentrant=False,
+               context_fn=lambda: create_selective_checkpoint_contexts(_save_all)).sum().backward()
+    assert seen == [compat.SACCachingMode, compat.SACCachedMode]  # forward, then the recompute
+
+
+def test_sac_replay_error_text():
+    x = torch.randn(3, requires_grad=True)
+    y = checkpoint(lambda t: t.sin().cos(), x, use_reentrant=False,
+                   context_fn=lambda: create_selective_checkpoint_contexts(_save_all)).sum()
+    y.backward(retain_graph=True)
+    with pytest.raises(RuntimeError) as e:
+        y.backward()
+    assert compat.is_sac_replay_error(e.value), str(e.value)
+    assert not compat.is_sac_replay_error(RuntimeError("something else"))
+
+
+def test_dispatch_mode_skip_dynamo_hook_exists():
+    # _checkpoint's SAC subclasses override it to skip a per-op torch._disable_dynamo wrapper.
+    assert callable(getattr(TorchDispatchMode, "_should_skip_dynamo", None))
+
+
+def test_set_alias_storage():
+    from fsdptag import FSDPTag, FSDPTaggedTensor
+
+    base = FSDPTaggedTensor(torch.randn(4, 4), FSDPTag("w", True))
+    out = FSDPTaggedTensor(base._elem.t(), FSDPTag("w", True))  # a fresh wrapper: own storage
+    assert out.untyped_storage()._cdata != base.untyped_storage()._cdata
+    compat.set_alias_storage(out, base)
+    assert out.untyped_storage()._cdata == base.untyped_storage()._cdata
+    assert out.size() == (4, 4) and out.stride() == (1, 4)  # its own view geometry is kept
+
+
+def test_saved_tensor_hooks_and_backward_probes():
+    assert not compat.others_saved_tensor_hooks_active()
+    with saved_tensors_hooks(lambda t: t, lambda t: t):
+        assert compat.others_saved_tensor_hooks_active()
+    assert not compat.in_backward()
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            seen.append(compat.in_backward())
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(compat.in_backward())
+            return g
+
+    Probe.apply(torch.randn(2, requires_grad=True)).sum().backward()
+    assert seen == [False, True]
+
+
+def test_contiguous_strides():
+    assert compat.contiguous_strides((3, 0, 2)) == (2, 2, 1)
+    assert compat.contiguous_strides(()) == ()
+
+
+def test_concatenate_meshes(fake_pg):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    both = compat.concatenate_meshes([mesh["dp"], mesh["tp"]])
+    assert both.mesh_dim_names == ("dp", "tp") and both.mesh.tolist() == mesh.mesh.tolist()
+    other = init_device_mesh("cpu", (4,), mesh_dim_names=("x",))
+    with pytest.raises(RuntimeError):  # _plan turns this into an error that names the fix
+        compat.concatenate_meshes([mesh["dp"], other])
+
+
+@dataclasses.dataclass
+class _Batch:
+    x: torch.Tensor
+    ids: torch.Tensor
+
+
+def test_apply_to_tensors_reaches_nested_inputs():
+    args = ({"a": [torch.ones(1)], "b": _Batch(torch.ones(1), torch.arange(1))},)
+    cast = compat.apply_to_tensors(
+        lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t, args)
+    assert cast[0]["a"][0].dtype == torch.bfloat16
+    assert cast[0]["b"].x.dtype == torch.bfloat16 and cast[0]["b"].ids.dtype == torch.int64
+
+
+def test_strided_shard_and_async_collective_tensor():
+    s = compat.StridedShard(0, split_factor=2)
+    assert s.dim == 0 and s.split_factor == 2
+    inner = torch.randn(2)
+    assert compat.AsyncCollectiveTensor(inner).elem is inner
+
+
+def test_storage_weak_refs():
+    t = torch.randn(8)
+    ref = compat.StorageWeakRef(t.untyped_storage())
+    assert not compat.storage_expired(ref.cdata)
+    assert compat.storage_from_weak(ref.cdata).nbytes() == 32
+    del t
+    gc.collect()
+    assert compat.storage_expired(ref.cdata)

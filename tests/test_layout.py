@@ -1,0 +1,84 @@
+"""The package's shape: imports at the top of each file, no import cycle, leaf API types."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import fsdptag
+
+PACKAGE = pathlib.Path(fsdptag.__file__).parent
+
+
+def _modules() -> dict[str, ast.Module]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
+        out[name] = ast.parse(path.read_text())
+    return out
+
+
+def _package_of(module: str, mods: dict) -> str:
+    is_package = (PACKAGE.parent / module.replace(".", "/") / "__init__.py").exists()
+    return module if is_package else module.rsplit(".", 1)[0]
+
+
+def _ours(module: str, node: ast.AST, mods: dict) -> list[str]:
+    """The fsdptag modules an import statement in ``module`` names."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names if a.name.split(".")[0] == "fsdptag"]
+    if isinstance(node, ast.ImportFrom):
+        if node.level:
+            base = _package_of(module, mods)
+            for _ in range(node.level - 1):
+                base = base.rsplit(".", 1)[0]
+            prefix = f"{base}.{node.module}" if node.module else base
+            return [prefix] + [f"{prefix}.{a.name}" for a in node.names]
+        if node.module and node.module.split(".")[0] == "fsdptag":
+            return [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+    return []
+
+
+def _graph() -> dict[str, set[str]]:
+    mods = _modules()
+    graph = {}
+    for name, tree in mods.items():
+        deps = set()
+        for node in tree.body:  # top level only: function-level imports are checked below
+            if isinstance(node, ast.If):  # `if TYPE_CHECKING:` imports are for annotations only
+                continue
+            deps.update(t for t in _ours(name, node, mods) if t in mods and t != name)
+        graph[name] = deps
+    return graph
+
+
+def test_every_import_is_at_the_top_of_its_file():
+    late = []
+    for name, tree in _modules().items():
+        for fn in ast.walk(tree):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                late += [f"{name}:{n.lineno}" for n in ast.walk(fn) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    assert late == []
+
+
+def test_no_import_cycle():
+    graph = _graph()
+    state: dict[str, int] = {}
+
+    def visit(node, path):
+        state[node] = 1
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(path + [dep]))
+            if dep not in state:
+                visit(dep, path + [dep])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+
+
+def test_api_types_are_a_leaf():
+    graph = _graph()
+    assert graph["fsdptag._api"] == set() and graph["fsdptag._compat"] == set()
