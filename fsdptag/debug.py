@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import gc
+import time
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -21,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._compat import StorageWeakRef, in_backward, storage_expired, storage_from_weak
 from ._param import disable_tagging
-from ._tag import first_tag
+from ._tag import first_tag, innermost
 
 __all__ = ["CollectiveCounter", "CollectiveEvent", "LiveStorageTracker", "disable_tagging"]
 
@@ -179,6 +180,54 @@ def _storage_kind(func, out) -> str:
     return "other"
 
 
+_WAIT = _f.wait_tensor.default
+
+
+class _CollectiveSettler:
+    """After a functional collective's ``wait_tensor``, waits until the collective layer
+    has dropped its own references to the collective's input and output.
+
+    gloo completes a collective's future on its worker thread and drops the work
+    (which holds the input and output tensors) a moment later, so right after the wait
+    a buffer the program no longer holds can still be alive: a real run's peak then
+    counts it or not, run to run. At issue we count the references the collective
+    layer took (``Tensor._use_count`` before and after the op); after the wait we give
+    it up to ``timeout_s`` to drop them. A fake process group takes none.
+    """
+
+    def __init__(self, timeout_s: float = 0.05) -> None:
+        self.timeout_s = timeout_s
+        self.pending: dict[int, tuple] = {}  # id(output) -> (refs on output, input, refs on input)
+
+    def issue(self, func, args, kwargs):
+        inp = innermost(args[0]) if args and isinstance(args[0], torch.Tensor) else None
+        before = inp._use_count() if inp is not None else 0
+        out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor):
+            inner = innermost(out)
+            taken_in = inp._use_count() - before if inp is not None else 0
+            self.pending[id(inner)] = (inner._use_count() - 1, inp if taken_in else None, taken_in)
+        return out
+
+    def wait(self, func, args, kwargs):
+        out = func(*args, **kwargs)
+        entry = self.pending.pop(id(innermost(args[0])), None)
+        if entry is not None:
+            taken_out, inp, taken_in = entry
+            self._settle(innermost(args[0]), taken_out)
+            if inp is not None:
+                self._settle(inp, taken_in)
+        return out
+
+    def _settle(self, t: torch.Tensor, taken: int) -> None:
+        # The program holds at least the tensor we look at: a count that cannot drop by
+        # `taken` any more means the collective layer has let go already.
+        target = t._use_count() - taken
+        deadline = time.perf_counter() + self.timeout_s
+        while target >= 1 and t._use_count() > target and time.perf_counter() < deadline:
+            time.sleep(0)
+
+
 class LiveStorageTracker(TorchDispatchMode):
     """Track the storages that ops under this mode create (and, optionally, read).
 
@@ -190,7 +239,9 @@ class LiveStorageTracker(TorchDispatchMode):
     already existed (parameters, FSDP2's resizable unsharded buffers) count too:
     then take the difference between the end of forward and after backward.
     ``track_peak=True`` keeps ``peak_bytes``, the most live bytes after any op
-    (O(live storages) per op).
+    (O(live storages) per op). ``settle_collectives=True`` (for real process groups)
+    waits after each functional collective's wait until the collective layer has
+    released its buffers, so that peaks do not depend on its thread's timing.
 
     Works on real and fake tensors (``FakeTensorMode``).
 
@@ -201,10 +252,12 @@ class LiveStorageTracker(TorchDispatchMode):
         >>> mem.live_bytes()
     """
 
-    def __init__(self, track_inputs: bool = False, track_peak: bool = False) -> None:
+    def __init__(self, track_inputs: bool = False, track_peak: bool = False,
+                 settle_collectives: bool = False) -> None:
         super().__init__()
         self.track_inputs = track_inputs
         self.track_peak = track_peak
+        self._settler = _CollectiveSettler() if settle_collectives else None
         self.peak_bytes = 0
         # storage key -> [weak ref, bytes when last looked, kind]; FSDP2 resizes its
         # buffers in place, so storages FSDP2's ops touch are re-measured each time.
@@ -235,7 +288,10 @@ class LiveStorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        if self._settler is not None and func.namespace == "_c10d_functional":
+            out = (self._settler.wait if func is _WAIT else self._settler.issue)(func, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
         kind = _storage_kind(func, out)
         # Views and in-place ops return storages that already existed: not allocations.
         fresh = not (func.is_view or func._schema.is_mutable)

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy as FSDP2MixedPrecision, fully_shard
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -185,7 +185,9 @@ def measure_step(model, tokens: torch.Tensor) -> dict:
     optim.zero_grad(set_to_none=True)
     state = [t for s in optim.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
 
-    tracker = LiveStorageTracker(track_inputs=True, track_peak=True)
+    # A real process group's thread releases collective buffers on its own time: settle.
+    tracker = LiveStorageTracker(track_inputs=True, track_peak=True,
+                                 settle_collectives=not isinstance(tokens, FakeTensor))
     tracker.track_existing(params + state)
     # Cyclic GC would free some buffers at times that vary from run to run (it runs on
     # allocation counts, and the collectives' threads allocate too); paused, frees

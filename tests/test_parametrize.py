@@ -97,22 +97,23 @@ def _kept_bytes(mesh, reshard):
     model = models.make_net()
     fsdptag.parametrize(model, mesh, mode="fully_shard", reshard_after_forward=reshard)
     tokens, targets = models.batch(0, mesh.size())
-    kept, peaks = set(), []
-    for _ in range(3):  # gloo's thread sometimes frees a gather's buffer late: lowest peak
-        with LiveStorageTracker(track_peak=True) as mem:
+    kept, peaks = set(), set()
+    for _ in range(3):  # the same every time: the tracker settles gloo's late frees
+        with LiveStorageTracker(track_peak=True, settle_collectives=True) as mem:
             loss = models.loss_fn(model(tokens[mesh.get_local_rank()]), targets[mesh.get_local_rank()])
         kept.add(mem.live_bytes())
-        peaks.append(mem.peak_bytes)
+        peaks.add(mem.peak_bytes)
         loss.backward()
-    (kept,) = kept  # what forward keeps for backward does not depend on timing
-    return kept, min(peaks)
+    return sorted(kept), sorted(peaks)
 
 
 def _weights_backward_needs() -> int:
-    """Bytes of the gathered params whose value backward uses: all but embedding and biases."""
+    """Bytes of the gathered params whose value backward uses: all but the embedding
+    table and the linear biases (LayerNorm's backward saves its bias too)."""
     net = models.make_net()
+    linear_biases = {f"{fqn}.bias" for fqn, m in net.named_modules() if isinstance(m, nn.Linear)}
     return sum(p.numel() * p.element_size() for n, p in net.named_parameters()
-               if not n.endswith("bias") and not n.startswith("tok."))
+               if n not in linear_biases and not n.startswith("tok."))
 
 
 def _bf16_vs_fsdp2(mesh):
@@ -132,6 +133,24 @@ def _bf16_vs_fsdp2(mesh):
         "loss": max(abs(a - b) / abs(b) for a, b in zip(losses, losses2)),
         "params": models.max_rel_diff(models.full_params(ours), models.full_params(theirs)),
     }
+
+
+def _reduce_bytes(mesh):
+    """Bytes the backward's gradient reductions move, per path and mixed precision."""
+    out = {}
+    policies = {"fp32": None, "bf16/fp32": fsdptag.MixedPrecisionPolicy(torch.bfloat16, torch.float32),
+                "bf16/bf16": fsdptag.MixedPrecisionPolicy(torch.bfloat16)}
+    for mode, bucket in (("fully_shard", "param"), ("fully_shard", "block"), ("replicate", "param"),
+                         ("replicate", "block")):
+        for name, mp in policies.items():
+            model = models.make_net()
+            fsdptag.parametrize(model, mesh, mode=mode, mp_policy=mp, bucket=BUCKETS[bucket])
+            tokens, targets = models.batch(0, 2)
+            with CollectiveCounter(mesh) as cc:
+                models.loss_fn(model(tokens[0]).float(), targets[0]).backward()
+            out[f"{mode} bucket={bucket} {name}"] = sum(
+                e.nbytes for e in cc.events if e.phase == "backward" and e.kind in ("reduce_scatter", "all_reduce"))
+    return out
 
 
 def _fsdp2_collectives(mesh):
@@ -661,6 +680,7 @@ def worker_2ranks():
     cases["kept zero2"] = functools.partial(_kept_bytes, mesh, False)
     cases["kept zero3"] = functools.partial(_kept_bytes, mesh, True)
     cases["bf16 vs fsdp2"] = functools.partial(_bf16_vs_fsdp2, mesh)
+    cases["reduce bytes"] = functools.partial(_reduce_bytes, mesh)
     cases["state_dict"] = functools.partial(_state_dict_collectives, mesh)
     cases["fsdp2 collectives"] = functools.partial(_fsdp2_collectives, mesh)
     cases["gather once"] = functools.partial(_gather_once, mesh)
@@ -688,9 +708,10 @@ def two_ranks():
 # ---------------------------------------------------------------- tests
 
 
-def _assert_parity(results, name):
+def _assert_parity(results, name, rel: float = 0.0):
+    """Losses and parameters after training vs the single-device reference, within ``rel``."""
     r = result(results, name)
-    assert r["loss"] < 1e-5 and r["params"] < 1e-5, r
+    assert r["loss"] <= rel and r["params"] <= rel, r
     assert r["leaks"] == []
 
 
@@ -704,7 +725,10 @@ def _collectives_text(results) -> str:
                                   "hybrid_shard 2x1", "hybrid_shard 2x1 bucket=block"])
 @pytest.mark.parametrize("zero", [2, 3])
 def test_parity_2ranks(two_ranks, mode, zero):
-    _assert_parity(two_ranks, f"parity {mode} zero{zero}")
+    # Bitwise: two ranks' gradients reduce by one addition, which is what the reference's
+    # batch of two does too. The DDP-bucket zero3 case computes in float64 (its cast): not.
+    float64 = mode == "replicate bucket=block" and zero == 3
+    _assert_parity(two_ranks, f"parity {mode} zero{zero}", rel=1e-6 if float64 else 0.0)
 
 
 def test_collectives_2ranks(two_ranks):
@@ -748,16 +772,39 @@ backward all_reduce dp x3""")
 
 def test_zero3_frees_gathered_params(two_ranks):
     (kept2, peak2), (kept3, peak3) = result(two_ranks, "kept zero2"), result(two_ranks, "kept zero3")
-    needed = _weights_backward_needs()
-    assert abs((kept2 - kept3) - needed) <= 0.05 * needed, (kept2, kept3, needed)
+    assert len(kept2) == len(kept3) == len(peak2) == len(peak3) == 1, (kept2, kept3, peak2, peak3)
+    (kept2,), (kept3,), (peak2,), (peak3,) = kept2, kept3, peak2, peak3
+    assert kept2 - kept3 == _weights_backward_needs(), (kept2, kept3)
     # ... and during forward: block 0's gathered parameters are gone before block 1 ends.
     block = sum(p.numel() * p.element_size() for p in models.make_net().layers[0].parameters())
-    assert peak2 - peak3 >= 0.95 * block, (peak2, peak3, block)
+    assert peak2 - peak3 >= block, (peak2, peak3, block)
+    assert_expected_inline(f"kept {kept2} / {kept3} B, forward peak {peak2} / {peak3} B", """kept 24328 / 13064 B, forward peak 26496 / 20488 B""")
 
 
 def test_bf16_matches_fsdp2(two_ranks):
     r = result(two_ranks, "bf16 vs fsdp2")
-    assert r["loss"] < 1e-3 and r["params"] < 1e-3, r
+    assert r == {"loss": 0.0, "params": 0.0}, r  # the same casts, gathers and reductions
+
+
+def test_gradients_reduce_in_reduce_dtype(two_ranks):
+    r = result(two_ranks, "reduce bytes")
+    for path in ("fully_shard bucket=param", "fully_shard bucket=block", "replicate bucket=param",
+                 "replicate bucket=block"):
+        fp32, mixed, bf16 = (r[f"{path} {mp}"] for mp in ("fp32", "bf16/fp32", "bf16/bf16"))
+        assert mixed == fp32 == 2 * bf16, (path, fp32, mixed, bf16)
+    assert_expected_inline("\n".join(f"{k}: {v}" for k, v in r.items()), """\
+fully_shard bucket=param fp32: 13840
+fully_shard bucket=param bf16/fp32: 13840
+fully_shard bucket=param bf16/bf16: 6920
+fully_shard bucket=block fp32: 13840
+fully_shard bucket=block bf16/fp32: 13840
+fully_shard bucket=block bf16/bf16: 6920
+replicate bucket=param fp32: 13840
+replicate bucket=param bf16/fp32: 13840
+replicate bucket=param bf16/bf16: 6920
+replicate bucket=block fp32: 13840
+replicate bucket=block bf16/fp32: 13840
+replicate bucket=block bf16/bf16: 6920""")
 
 
 def test_counter_sees_fsdp2(two_ranks):
@@ -879,19 +926,21 @@ def test_mixed_dtype_bucket(two_ranks):
     assert r["buckets"] == ["layers.0[bfloat16]", "layers.0[float32]"]
     assert r["dtypes"] == ["torch.bfloat16", "torch.float32"]
     assert r["gathers"] == 4  # root, layers.0 x2, layers.1
-    assert r["max diff"] < 1e-6, r
+    assert r["max diff"] == 0.0, r
 
 
 def test_shard_dim_1(two_ranks):
     r = result(two_ranks, "shard_dim 1")
-    assert r["buckets"] == 0 and r["diff"] < 1e-5, r
+    assert r["buckets"] == 0 and r["diff"] == 0.0, r
 
 
 def test_tied_weights(two_ranks):
     r = result(two_ranks, "tied")
     for name, v in r.items():
         assert v["shared"] and v["params"] == 15, (name, v)
-        assert v["loss"] < 1e-5 and v["diff"] < 1e-5, (name, v)
+        # The table's two gradients (embedding, head) add up in another order than in
+        # the reference: seen 1.6e-7 relative, not bitwise.
+        assert v["loss"] == 0.0 and v["diff"] < 1e-6, (name, v)
     # Per parameter, each read gathers (the table twice: embedding and head); a bucket
     # covering both reads (here the root's) gathers it once. zero3 re-gathers the
     # table once for the head's backward.
@@ -992,7 +1041,9 @@ def four_ranks():
 @pytest.mark.parametrize("bucket", ["", " bucket=block"])
 @pytest.mark.parametrize("zero", [2, 3])
 def test_parity_4ranks(four_ranks, config, bucket, zero):
-    _assert_parity(four_ranks, f"parity {config}{bucket} zero{zero}")
+    # Four ranks' gradients are summed in gloo's order, not the reference's: seen up to
+    # 1.1e-6 relative after training.
+    _assert_parity(four_ranks, f"parity {config}{bucket} zero{zero}", rel=3e-6)
 
 
 def test_collectives_4ranks(four_ranks):

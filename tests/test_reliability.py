@@ -332,7 +332,7 @@ def test_dcp_reshards_from_4_to_2_ranks(results):
 @pytest.mark.parametrize("ac", ["none", "full", "selective", "layer"])
 def test_gradient_accumulation(results, zero, ac):
     r = result(results, f"accumulate zero{zero} {ac}")
-    assert r["params"] < 1e-5, r
+    assert r["params"] < 1e-6, r  # 4 ranks sum in gloo's order: seen 3.3e-7 relative
     if zero == 2:
         assert r["bwd_gathers"] == 0, r
 

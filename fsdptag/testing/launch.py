@@ -1,7 +1,8 @@
 """Run a function on several local ranks (spawned processes, gloo on CPU).
 
 Used by the tests, the benchmark and the estimator's validation; also handy for
-trying fsdptag without torchrun.
+trying fsdptag without torchrun. Every rank's result comes back (``all_ranks=True``),
+and collectives time out after ``timeout_s`` so a rank out of step fails in seconds.
 """
 
 from __future__ import annotations
@@ -20,19 +21,18 @@ import torch.multiprocessing as mp
 __all__ = ["spawn"]
 
 
-def _worker(rank: int, world_size: int, init_file: str, out_file: str, fn: Callable, args) -> None:
+def _worker(rank: int, world_size: int, init_file: str, out_dir: str, timeout_s: float,
+            fn: Callable, args) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-        timeout=datetime.timedelta(seconds=300),
+        timeout=datetime.timedelta(seconds=timeout_s),
     )
     try:
         result = fn(*args)
-        if rank == 0:
-            with open(out_file, "wb") as f:
-                pickle.dump(result, f)
-        dist.barrier()
+        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+            pickle.dump(result, f)
     finally:
         dist.destroy_process_group()
     # Skip interpreter teardown: C++ threads still owned by objects that outlive the
@@ -44,24 +44,30 @@ def _worker(rank: int, world_size: int, init_file: str, out_file: str, fn: Calla
     os._exit(0)
 
 
-def spawn(world_size: int, fn: Callable[..., Any], *args: Any) -> Any:
-    """Run ``fn(*args)`` on ``world_size`` gloo ranks; return rank 0's (picklable) result.
+def spawn(world_size: int, fn: Callable[..., Any], *args: Any, all_ranks: bool = False,
+          timeout_s: float = 300.0) -> Any:
+    """Run ``fn(*args)`` on ``world_size`` gloo ranks; return rank 0's (picklable)
+    result, or with ``all_ranks=True`` the list of every rank's.
 
     ``fn`` must be importable (a module-level function): it is pickled into
-    spawned processes. An exception on any rank fails with that rank's traceback.
+    spawned processes. An exception escaping ``fn`` on any rank fails with that
+    rank's traceback; ``timeout_s`` bounds each collective.
 
     Example::
 
         >>> def work():
-        ...     return torch.distributed.get_world_size()
-        >>> fsdptag.launch.spawn(2, work)
-        2
+        ...     return torch.distributed.get_rank()
+        >>> fsdptag.testing.launch.spawn(2, work, all_ranks=True)
+        [0, 1]
     """
     with tempfile.TemporaryDirectory() as tmp:
-        init_file, out_file = os.path.join(tmp, "init"), os.path.join(tmp, "out.pkl")
+        init_file = os.path.join(tmp, "init")
         mp.start_processes(
-            _worker, args=(world_size, init_file, out_file, fn, args), nprocs=world_size,
+            _worker, args=(world_size, init_file, tmp, timeout_s, fn, args), nprocs=world_size,
             start_method="spawn",
         )
-        with open(out_file, "rb") as f:
-            return pickle.load(f)
+        results = []
+        for rank in range(world_size):
+            with open(os.path.join(tmp, f"rank{rank}.pkl"), "rb") as f:
+                results.append(pickle.load(f))
+    return results if all_ranks else results[0]

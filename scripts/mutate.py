@@ -1,0 +1,268 @@
+"""Mutation testing: plant one realistic bug at a time and check that the tests notice.
+
+    .venv/bin/python scripts/mutate.py [--only NAME ...] [--list] [--write docs/mutation.md]
+
+Each mutant replaces one exact snippet of one file (the script stops if the snippet is
+not found exactly once: the code moved, update the table). The repository (tracked
+and untracked-but-not-ignored files, as they are on disk now) is copied once into a
+snapshot; each mutant runs in a fresh copy of that snapshot with
+``PYTHONPATH=<copy>``, so the copy's ``fsdptag`` shadows the editable install, in
+pytest and in the ranks the tests spawn (checked once per run). A baseline run of the
+same test files on the unmutated copy comes first: a mutant only counts as killed if
+the tests passed without it. Results: killed (the tests failed), survived (they
+passed), timeout (killed by the per-mutant timeout, e.g. ranks that deadlock).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PARAM, CKPT, EST, REL = ("tests/test_parametrize.py", "tests/test_checkpoint.py",
+                         "tests/test_estimate.py", "tests/test_reliability.py")
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    plants: str  # the bug, in words
+    file: str
+    old: str  # must occur exactly once in file
+    new: str
+    tests: tuple[str, ...]
+
+
+MUTANTS = [
+    Mutant("tag-no-pad", "tag table drops constant_pad_nd (uneven shards: only padding ranks lose the tag)",
+           "fsdptag/_tag.py", "    aten.constant_pad_nd.default,\n", "", (PARAM,)),
+    Mutant("tag-no-slice", "tag table drops slice.Tensor from the view rule (DTensor's unpad)",
+           "fsdptag/_tag.py", "    aten.slice.Tensor,\n", "", (PARAM,)),
+    Mutant("zero2-ac-recomputes", "checkpoint policy recomputes zero2 all-gathers instead of saving",
+           "fsdptag/_checkpoint.py",
+           "if not tag.reshard_after_forward and func is _ALL_GATHER:\n            return save",
+           "if not tag.reshard_after_forward and func is _ALL_GATHER:\n            return recompute", (CKPT,)),
+    Mutant("regather-keeps-buffers", "zero3 re-gather never drops its buffers after the last unpack",
+           "fsdptag/_reshard.py", "        if self.pending == 0:\n            self.buffers = None\n", "",
+           (PARAM, REL)),
+    Mutant("zero3-pack-keeps", "zero3 pack hook keeps zero3 tensors (condition inverted: no freeing)",
+           "fsdptag/_reshard.py", "if tag is None or not tag.reshard_after_forward:",
+           "if tag is None or tag.reshard_after_forward:", (PARAM,)),
+    Mutant("bucket-marks-reversed", "bucket copy-out marks piece i with the tag of the mirrored parameter",
+           "fsdptag/_bucket.py", "zip(pieces, bucket.tag.parts)", "zip(pieces, reversed(bucket.tag.parts))",
+           (PARAM,)),
+    Mutant("slot-floor-rows", "bucket slot padded to rows // world instead of ceil(rows / world)",
+           "fsdptag/_bucket.py", "_Slot(offset, rows, -(-rows // self.world),", "_Slot(offset, rows, rows // self.world,",
+           (PARAM,)),
+    Mutant("bucket-no-version-check", "bucket scope no longer checks version counters when forward returns",
+           "fsdptag/_bucket.py",
+           "            check_unchanged((scope.gathered[p], v, p.fqn) for p, v in scope.versions.items())\n", "",
+           (PARAM,)),
+    Mutant("handouts-never-checked", "Handouts.close checks the frame it just cleared (never checks)",
+           "fsdptag/_param.py", "for ref, version, fqn in handed or ())", "for ref, version, fqn in self._frame or ())",
+           (PARAM,)),
+    Mutant("bucket-reduce-param-dtype", "bucket backward packs gradients in their own (param) dtype, not reduce_dtype",
+           "fsdptag/_bucket.py", "dtype=bucket.reduce_dtype or grads[0].dtype)", "dtype=grads[0].dtype)", (PARAM,)),
+    Mutant("param-reduce-param-dtype", "per-parameter gather reduces gradients in param_dtype",
+           "fsdptag/_param.py", "backward_dtype=self.reduce_dtype,", "backward_dtype=self.param_dtype,", (PARAM,)),
+    Mutant("estimate-short-tokens", "estimator builds seq_len tokens instead of seq_len + 1 (one short)",
+           "fsdptag/estimate.py", "(batch, seq_len + 1))", "(batch, seq_len))", (EST,)),
+    Mutant("estimate-split-swapped", "estimator reports kept TP-collective and cast bytes swapped",
+           "fsdptag/estimate.py",
+           '"kept_collective_bytes": kept.get("collective", 0),\n        "kept_cast_bytes": kept.get("cast", 0),',
+           '"kept_collective_bytes": kept.get("cast", 0),\n        "kept_cast_bytes": kept.get("collective", 0),',
+           (EST,)),
+    Mutant("estimate-fake-wait-allocates", "estimator no longer makes wait_tensor alias its input",
+           "fsdptag/estimate.py", "            return args[0]\n", "            return func(*args, **(kwargs or {}))\n",
+           (EST,)),
+    Mutant("prefetch-no-drain-wait", "prefetcher drops unclaimed all-gathers without waiting for them",
+           "fsdptag/_prefetch.py",
+           "        for _, unclaimed in self.pending.values():\n            c10d.wait_tensor(unclaimed)\n", "",
+           (PARAM,)),
+    Mutant("prefetch-order-in-ac", "prefetch order also links gathers inside AC regions",
+           "fsdptag/_prefetch.py", "if a_free and b_free and b.world > 1}", "if b.world > 1}", (PARAM,)),
+    Mutant("no-input-cast", "root pre-forward casts the inputs but drops the result (missing return)",
+           "fsdptag/_state.py", "            return apply_to_tensors(self._cast, (args, kwargs))",
+           "            apply_to_tensors(self._cast, (args, kwargs))", (PARAM,)),
+    Mutant("zero3-hooks-in-backward", "zero3 hooks also pushed inside backward (recompute)",
+           "fsdptag/_reshard.py", "            and not in_backward()  # not a recompute inside backward\n", "",
+           (CKPT, REL)),
+    Mutant("hsdp-no-replicate-reduce", "bucket backward all-reduces over the replicate dim only for DDP (HSDP skips it)",
+           "fsdptag/_bucket.py", "if bucket.replicate_group is not None:",
+           "if bucket.replicate_group is not None and bucket.world == 1:", (PARAM,)),
+    Mutant("bucket-avg-ignores-replicas", "bucket gradient average divides by the shard world only (not replicas)",
+           "fsdptag/_bucket.py", "local.div_(bucket.world * bucket.replicas)", "local.div_(bucket.world)", (PARAM,)),
+    Mutant("param-grad-sum", "per-parameter gradients reduced with sum instead of avg",
+           "fsdptag/_param.py", '(Partial("avg"),)', '(Partial("sum"),)', (PARAM,)),
+    Mutant("scope-ignores-ac-region", "bucket scope serves accesses from any checkpoint region",
+           "fsdptag/_bucket.py", "        if scope.region is not current_sac_region():\n            return None\n", "",
+           (CKPT,)),
+]
+
+# tests/harness.py's report of ranks that went out of step (a collective timed out).
+_DESYNC = re.compile(r"ranks out of step after case '([^']+)'|case '([^']+)' raised on \d+ of \d+ ranks only")
+# The ranks' fsdptag must be the copy's: spawned like the tests spawn them.
+_IMPORT_CHECK = ("from fsdptag.testing.launch import spawn; import fsdptag; "
+                 "print(fsdptag.__file__); print(*spawn(2, eval, \"__import__('fsdptag').__file__\", all_ranks=True))")
+
+
+def python() -> str:
+    venv = ROOT / ".venv" / "bin" / "python"
+    return str(venv) if venv.exists() else sys.executable
+
+
+def snapshot(dest: Path) -> None:
+    """Copy the working tree (tracked + untracked, not ignored) to ``dest``."""
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                           cwd=ROOT, check=True, capture_output=True).stdout.decode().split("\0")
+    for f in filter(None, files):
+        src = ROOT / f
+        if src.is_file():  # deleted in the working tree: skip
+            (dest / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / f)
+
+
+def apply(m: Mutant, root: Path) -> None:
+    path = root / m.file
+    text = path.read_text()
+    n = text.count(m.old)
+    if n != 1:
+        raise SystemExit(f"mutant {m.name}: snippet found {n} times in {m.file} (code moved?):\n{m.old}")
+    path.write_text(text.replace(m.old, m.new))
+
+
+def env_for(copy: Path) -> dict:
+    return {**os.environ, "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+def check_imports(copy: Path) -> None:
+    out = subprocess.run([python(), "-c", _IMPORT_CHECK], cwd=copy, env=env_for(copy),
+                         capture_output=True, text=True, timeout=300)
+    paths = out.stdout.split()
+    if out.returncode or len(paths) != 3 or not all(p.startswith(str(copy)) for p in paths):
+        raise SystemExit(f"the copy's fsdptag is not the one imported:\n{out.stdout}{out.stderr}")
+
+
+def run_tests(copy: Path, tests: tuple[str, ...], timeout: float) -> tuple[str, float, str]:
+    """(result, seconds, pytest output) for ``tests`` run in ``copy``."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([python(), "-m", "pytest", "-x", "-q", *tests],
+                            cwd=copy, env=env_for(copy), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)  # its own group: spawned ranks die with it
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        result = "survived" if proc.returncode == 0 else "killed"
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        result = "timeout"
+    except BaseException:  # interrupted: take the ranks down too
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    if result == "killed":
+        result += f" ({why_killed(out) or f'exit {proc.returncode}'})"
+    return result, time.perf_counter() - t0, out
+
+
+def why_killed(out: str) -> str | None:
+    """A rank desync the harness reported (the tests after it fail only because their
+    cases never ran), else the first failing test."""
+    desync = _DESYNC.search(out)
+    if desync:
+        return f"ranks out of step in case '{desync.group(1) or desync.group(2)}'"
+    failed = re.search(r"^(?:FAILED|ERROR) (\S+)", out, re.M)
+    return failed and failed.group(1).split("::")[-1]
+
+
+def table(rows: list[tuple[str, str, tuple[str, ...], str, float]]) -> str:
+    lines = ["| mutant | what it plants | tests run | result | s |", "|---|---|---|---|---|"]
+    for name, plants, tests, result, secs in rows:
+        tests_s = ", ".join(Path(t).name for t in tests)
+        lines.append(f"| `{name}` | {plants} | {tests_s} | **{result}** | {secs:.0f} |")
+    return "\n".join(lines)
+
+
+HEADER = """# Mutation testing
+
+Each row plants one realistic bug (`scripts/mutate.py` lists the exact snippet it
+replaces) and runs the named test files on a copy of the repository; **killed** = the
+tests failed (the failing test in parentheses), **survived** = they passed, **timeout** =
+the run was stopped after {timeout:.0f} s (ranks out of step). The baseline row is the
+same test files without a mutation. Re-run with
+
+    .venv/bin/python scripts/mutate.py [--only NAME ...] [--write docs/mutation.md]
+
+(`--list` shows the mutants). This run: commit {commit}{dirty}, {date}.
+
+"""
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", nargs="+", metavar="NAME", help="run only these mutants")
+    p.add_argument("--list", action="store_true", help="list the mutants and exit")
+    p.add_argument("--write", metavar="PATH", help="also write the table (markdown) to PATH")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per mutant (default 600)")
+    p.add_argument("--log-dir", help="keep each run's pytest output in DIR/<mutant>.log")
+    args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # clean up the copies and ranks
+
+    names = {m.name for m in MUTANTS}
+    unknown = set(args.only or ()) - names
+    if unknown:
+        p.error(f"unknown mutant(s) {sorted(unknown)}; --list shows them")
+    mutants = [m for m in MUTANTS if not args.only or m.name in args.only]
+    if args.list:
+        for m in mutants:
+            print(f"{m.name:<30} {m.file:<24} {', '.join(m.tests)}\n    {m.plants}")
+        return
+
+    with tempfile.TemporaryDirectory(prefix="fsdptag-mutate-") as tmp:
+        base = Path(tmp) / "snapshot"
+        snapshot(base)
+        for m in mutants:  # every snippet still matches before anything runs
+            apply(m, Path(shutil.copytree(base, Path(tmp) / "probe", dirs_exist_ok=True)))
+            shutil.rmtree(Path(tmp) / "probe")
+        check_imports(base)
+
+        def run(name, plants, tests, mutant=None):
+            copy = Path(tmp) / "run"
+            shutil.copytree(base, copy)
+            if mutant is not None:
+                apply(mutant, copy)
+            result, secs, out = run_tests(copy, tests, args.timeout)
+            shutil.rmtree(copy)
+            if args.log_dir:
+                Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+                Path(args.log_dir, f"{name}.log").write_text(out)
+            print(f"{name:<30} {result:<50} {secs:5.0f} s", flush=True)
+            return name, plants, tests, result, secs
+
+        all_tests = tuple(dict.fromkeys(t for m in mutants for t in m.tests))
+        rows = [run("baseline", "nothing (unmutated copy)", all_tests)]
+        if rows[0][3] != "survived":
+            raise SystemExit("baseline failed: the tests do not pass without a mutation")
+        rows += [run(m.name, m.plants, m.tests, m) for m in mutants]
+
+    rows[0] = rows[0][:3] + ("passed",) + rows[0][4:]
+    text = table(rows)
+    print("\n" + text)
+    if args.write:
+        git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        dirty = " (+ uncommitted changes)" if git("status", "--porcelain", "--", "fsdptag", "tests") else ""
+        Path(args.write).write_text(HEADER.format(
+            timeout=args.timeout, commit=git("rev-parse", "--short", "HEAD"), dirty=dirty,
+            date=time.strftime("%Y-%m-%d")) + text + "\n")
+
+
+if __name__ == "__main__":
+    main()
