@@ -69,12 +69,13 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate
 
 from ._api import MixedPrecisionPolicy
-from ._compat import contiguous_strides, current_sac_region
+from ._compat import contiguous_strides, current_sac_region, graph_task_id, in_backward
+from ._keep import KeptGather, Keeper
 from ._param import ParamGather, makes_copy
 from ._tag import FSDPTag, FSDPTaggedTensor, check_unchanged, mark_gathered
 
 if TYPE_CHECKING:
-    from ._prefetch import Prefetcher
+    from ._state import RootState
 
 __all__ = ["Bucket", "open_scopes", "scoped"]
 
@@ -101,7 +102,7 @@ class Bucket:
     see Note [Buckets]."""
 
     def __init__(self, name: str, reshard: bool, params: list[ParamGather], dp_mesh,
-                 mp: MixedPrecisionPolicy, prefetcher: Prefetcher | None) -> None:
+                 mp: MixedPrecisionPolicy, root: RootState) -> None:
         self.name = name
         self.params = params  # in slot order
         self.tag = FSDPTag(name, reshard, parts=tuple(p.tag for p in params))
@@ -129,7 +130,10 @@ class Bucket:
         self.flat: torch.Tensor | None = None  # bound storage (Note [Bound storage])
         self.locals: tuple[torch.Tensor, ...] = ()
         self.scopes: list[_Scope] = []  # one per open root forward
-        self.prefetcher = prefetcher  # Note [Prefetch] in _prefetch.py
+        self.prefetcher = root.prefetcher  # Note [Prefetch] in _prefetch.py
+        # zero2 gathers kept for a checkpoint's recompute (Note [zero2 kept until backward])
+        self.keeper = Keeper(root.training_forward) if not reshard and self.world > 1 else None
+        self.root = root
 
     # ------------------------------------------------------------ storage
 
@@ -185,11 +189,9 @@ class Bucket:
         """The gathered parameter ``param`` in the current scope (gathering the
         bucket at the scope's first access), or None outside the root's forward or
         from another checkpoint region than the scope's (Note [Buckets])."""
-        if not self.scopes:
-            return None
+        if not self.scopes or self.scopes[-1].region is not current_sac_region():
+            return self._scopeless_recompute(param, tagged)
         scope = self.scopes[-1]
-        if scope.region is not current_sac_region():
-            return None
         if not scope.gathered:
             if self.prefetcher is None:
                 scope.gathered.update(self.gather(tagged=tagged))
@@ -209,8 +211,33 @@ class Bucket:
         return makes_copy(self.world > 1, self.param_dtype, self.params[0].module_info.stored.dtype)
 
     def gather(self, *, tagged: bool, prefetched: torch.Tensor | None = None) -> dict[ParamGather, torch.Tensor]:
-        outs = _GatherBucket.apply(self, tagged, prefetched, *self.stored())
+        params = self.stored()
+        reuse = how = None
+        if self.keeper is not None:  # Note [zero2 kept until backward]
+            reuse = self.keeper.find(params)
+            how = None if reuse is not None else self.keeper.how_to_keep()
+        if reuse is not None and prefetched is not None:
+            c10d.wait_tensor(prefetched)
+            prefetched = None
+        outs = _GatherBucket.apply(self, tagged, prefetched, reuse, how, *params)
         return {p: p.on_tp_mesh(out) for p, out in zip(self.params, outs)}
+
+    def _scopeless_recompute(self, param: ParamGather, tagged: bool) -> torch.Tensor | None:
+        """A checkpoint's recompute outside any gather scope of this bucket (the
+        checkpointed module is the bucket root itself, e.g. a checkpoint wrapper): one
+        gather per backward, shared by the recompute's accesses while they hold it; zero2
+        serves it from the forward's kept gather (Note [zero2 kept until backward]).
+        None (gather per parameter) outside a recompute."""
+        if not in_backward() or current_sac_region() is not None or not self.copies():
+            return None
+        params = self.stored()
+        entry = self.keeper.find(params) if self.keeper is not None else None
+        key = (graph_task_id(), self, entry)
+        served = self.root.recompute_served
+        if served is None or served[0] != key:
+            outs = _GatherBucket.apply(self, tagged, None, entry, None, *params)
+            served = self.root.serve_recompute(key, {p: p.on_tp_mesh(o) for p, o in zip(self.params, outs)})
+        return served[1][param]
 
     def regather(self) -> dict[ParamGather, torch.Tensor]:
         """A fresh tagged gather, as the zero3 hooks re-gather (Note [zero3 by saved-tensor hooks])."""
@@ -273,10 +300,15 @@ class _GatherBucket(torch.autograd.Function):
     """Gather a bucket (Note [Buckets]); the inputs are the stored DTensor parameters."""
 
     @staticmethod
-    def forward(ctx, bucket: Bucket, tagged: bool, prefetched: torch.Tensor | None, *params: DTensor):
+    def forward(ctx, bucket: Bucket, tagged: bool, prefetched: torch.Tensor | None,
+                reuse: KeptGather | None, keep: str | None, *params: DTensor):
         ctx.bucket = bucket
         ctx.specs = [p._spec for p in params]
         ctx.local_shapes = [p._local_tensor.shape for p in params]
+        ctx.kept = None
+        if reuse is not None:  # a recompute served from the forward's gather
+            bucket.keeper.adopt(reuse, ctx)
+            return tuple(_unpad(bucket, slot, p) for slot, p in zip(bucket.slots, reuse.pieces))
         if not bucket.copies():  # DDP without a cast: aliases of the stored shards, no views,
             return tuple(p._local_tensor.detach() for p in params)  # so in place is as in DDP
         # No FSDP op to checkpoint under inference_mode (which would also turn the cast
@@ -296,17 +328,17 @@ class _GatherBucket(torch.autograd.Function):
                 gathered.view(bucket.world, bucket.numel), bucket.split_sizes, dim=1)
         if tagged:  # compute gets plain tensors (Note [Marked handout] in _tag.py)
             pieces = [mark_gathered(p._elem, tag) for p, tag in zip(pieces, bucket.tag.parts)]
-        outs = []
-        for slot, p in zip(bucket.slots, pieces):
-            p = p.view(bucket.world * slot.padded_rows, *slot.rest)
-            if p.shape[0] != slot.rows:
-                p = p.narrow(0, 0, slot.rows)
-            outs.append(p)  # a view made here: autograd refuses in-place ops on it (grad on)
-        return tuple(outs)
+        if keep is not None:
+            bucket.keeper.keep(KeptGather(pieces, params), keep, ctx)
+        # views made here: autograd refuses in-place ops on them (grad on)
+        return tuple(_unpad(bucket, slot, p) for slot, p in zip(bucket.slots, pieces))
 
     @staticmethod
     def backward(ctx, *grads):
         bucket = ctx.bucket
+        if ctx.kept is not None:  # this bucket's backward: its kept gather is done with
+            bucket.keeper.release(ctx.kept)
+            ctx.kept = None
         some = next(g for g in grads if g is not None)
         grads = [  # a parameter of the bucket that this forward did not use gets zeros
             g if g is not None else some.new_zeros(slot.rows, *slot.rest)
@@ -326,5 +358,11 @@ class _GatherBucket(torch.autograd.Function):
             if g.dtype != spec.tensor_meta.dtype:
                 g = g.to(spec.tensor_meta.dtype)
             out.append(DTensor(g, spec, requires_grad=False))
-        return (None, None, None, *out)
+        return (None, None, None, None, None, *out)
+
+
+def _unpad(bucket: Bucket, slot: _Slot, piece: torch.Tensor) -> torch.Tensor:
+    """A copied-out piece as its parameter: padded rows viewed, the padding cut off."""
+    p = piece.view(bucket.world * slot.padded_rows, *slot.rest)
+    return p.narrow(0, 0, slot.rows) if p.shape[0] != slot.rows else p
 

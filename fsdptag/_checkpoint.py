@@ -42,7 +42,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
 from ._api import ACMode
 from ._bucket import scoped
-from ._class_swap import swap_class
+from ._blocks import find_blocks
+from ._class_swap import swap_class, user_class
 from ._compat import SACCachedMode, SACCachingMode, is_sac_replay_error
 from ._state import module_state
 from ._tag import first_tag, get_fsdp_tag
@@ -215,9 +216,11 @@ class _CheckingCachedMode(SACCachedMode):
             fqn = _gather_fqn(args)
             where = f" on FSDP parameter {fqn!r}" if fqn else ""
             raise RuntimeError(
-                f"fsdptag: activation-checkpoint replay failed at {func}{where}: {e} "
-                "(a checkpointed region can be backwarded once; retain_graph=True and double "
-                "backward are not supported)"
+                f"fsdptag: activation-checkpoint replay failed at {func}{where}: the recompute "
+                "did not run the ops the forward ran. Likely causes: state that changed between "
+                "forward and recompute (a KV cache growing: pass use_cache=False to a Hugging Face "
+                "model in training; a counter, a random branch), or a second backward through the "
+                f"region (retain_graph=True and double backward are not supported). SAC said: {e}"
             ) from e
 
 
@@ -225,24 +228,43 @@ def _describe(fqn) -> str:
     return "a non-FSDP tensor (e.g. a TP all-gather)" if fqn is None else repr(fqn)
 
 
-def checkpoint_context_fn(base=None) -> Callable[[], tuple[Any, Any]]:
+def checkpoint_context_fn(base=None, *, policy_factory: Callable[[], Any] | None = None
+                          ) -> Callable[[], tuple[Any, Any]]:
     """The ``context_fn`` for ``torch.utils.checkpoint.checkpoint`` with :func:`checkpoint_policy`.
 
-    Each call builds fresh SAC modes (and a fresh copy of a stateful ``base`` such
-    as the default save list) plus the replay check of Note [Tagged checkpoint policy].
+    Each call (one per checkpointed call of a region) builds fresh SAC modes plus the
+    replay check of Note [Tagged checkpoint policy], and the user's part of the policy:
+    ``base`` (``None``: recompute all, an op list, or a policy function; fsdptag's own
+    stateful save lists are copied fresh), or ``policy_factory()``, a zero-argument
+    callable that returns a fresh ``base`` for each region. A policy that keeps state
+    (e.g. torchtitan's "save every second matmul" counter) must come from a factory:
+    one shared object would carry its count from region to region and step to step.
 
     Example::
 
         >>> ctx_fn = fsdptag.checkpoint_context_fn([torch.ops.aten.mm.default])
         >>> y = checkpoint(block, x, use_reentrant=False, context_fn=ctx_fn)
+        >>> ctx_fn = fsdptag.checkpoint_context_fn(policy_factory=lambda: MatmulCounter())
     """
-    _as_policy(base)  # validate now, not at the first forward
+    if policy_factory is not None:
+        if base is not None:
+            raise ValueError("pass either base or policy_factory to checkpoint_context_fn, not both")
+        if not callable(policy_factory):
+            raise TypeError(f"policy_factory={policy_factory!r} must be a zero-argument callable returning a policy")
+
+        def make_base():
+            return _as_policy(policy_factory())
+    else:
+        _as_policy(base)  # validate now, not at the first forward
+
+        def make_base():
+            return fresh_base(base)
 
     def context_fn():
         storage: dict = collections.defaultdict(dict)
         gathered: list = []
         return (
-            _RecordingCachingMode(checkpoint_policy(fresh_base(base)), storage, gathered),
+            _RecordingCachingMode(checkpoint_policy(make_base()), storage, gathered),
             _CheckingCachedMode(storage, gathered),
         )
 
@@ -280,7 +302,9 @@ def apply_ac(
     ``save_ops`` (default :data:`DEFAULT_SAVE_OPS`, every second ``mm``
     recomputed); with ``layer_every=N``, full AC on every Nth block (blocks
     N-1, 2N-1, ...), torchtitan's layer-selective AC. ``blocks`` defaults to the
-    children of ``model.layers``. Works before or after ``fsdptag.parametrize``.
+    model's blocks (Note [Blocks]: children of ``nn.ModuleList`` / ``nn.ModuleDict``,
+    e.g. ``model.model.layers`` of a Hugging Face model), the same modules
+    ``bucket="blocks"`` gathers together. Works before or after ``fsdptag.parametrize``.
 
     Example::
 
@@ -310,12 +334,12 @@ def _parse_ac(model, mode, blocks, save_ops, layer_every):
         save_ops = list(save_ops)
         _as_policy(save_ops)
     if blocks is None:
-        layers = getattr(model, "layers", None)
-        if not isinstance(layers, nn.Module):
+        blocks = [block for _, block in find_blocks(model)]
+        if not blocks:
             raise ValueError(
-                f"{type(model).__name__} has no `layers` container; pass blocks=[...] explicitly"
+                f"{user_class(type(model)).__name__} has no blocks (children of an nn.ModuleList or "
+                "nn.ModuleDict); pass blocks=[...] explicitly"
             )
-        blocks = list(layers.children())
     blocks = list(blocks)
     for block in blocks:
         if _AC_CONTEXT_FN in block.__dict__:

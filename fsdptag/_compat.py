@@ -12,7 +12,9 @@ SAC's error texts (``SAC_REPLAY_ERRORS``)           to re-raise replay failures 
 ``_get_current_dispatch_mode_stack``                the innermost SAC region running now
 ``torch._functionalize_unsafe_set``                 a view's tagged wrapper aliases its base
 ``_top_saved_tensors_default_hooks``                zero3 hooks only where nobody else has any
-``torch._C._current_graph_task_id``                 "inside backward" (``in_backward``)
+``torch._C._current_graph_task_id``                 "inside backward" (``in_backward``), which one
+``_top_saved_tensors_default_hooks``                whose saved-tensor hooks are active
+``_execution_engine.queue_callback``               a callback at the end of the running backward
 ``DeviceMesh._concatenate``                         the (dp, tp) mesh of a TP parameter
 ``unset_fake_temporarily``                          mesh bookkeeping while estimating on fakes
 ``_prims_common.make_contiguous_strides_for``       the stride DTensor.from_local is told
@@ -47,15 +49,18 @@ __all__ = [
     "StorageWeakRef",
     "StridedShard",
     "apply_to_tensors",
+    "at_backward_end",
     "concatenate_meshes",
     "contiguous_strides",
     "current_sac_region",
+    "graph_task_id",
     "in_backward",
     "is_sac_replay_error",
     "others_saved_tensor_hooks_active",
     "set_alias_storage",
     "storage_expired",
     "storage_from_weak",
+    "top_saved_tensor_pack_hook",
     "unset_fake_temporarily",
 ]
 
@@ -88,6 +93,22 @@ def in_backward() -> bool:
     """Whether the autograd engine is running this code (backward, or a checkpoint
     recompute inside it)."""
     return torch._C._current_graph_task_id() != -1
+
+
+def graph_task_id() -> int:
+    """The autograd engine's id of the backward running now (-1 outside backward)."""
+    return torch._C._current_graph_task_id()
+
+
+def at_backward_end(fn) -> None:
+    """Run ``fn`` when the backward running now finishes (FSDP's final callback)."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+def top_saved_tensor_pack_hook():
+    """The pack function of the innermost active saved-tensor hooks, or None."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return None if hooks is None else hooks[0]
 
 
 def others_saved_tensor_hooks_active() -> bool:

@@ -79,7 +79,7 @@ def parametrize(
             module.register_parameter(name, plan.sharded[fqn])
     for change in plan.modules.values():
         attach(change.module, change.state)
-    plan.root.install(model, plan.params, any_bucket=any(c.state.buckets for c in plan.modules.values()))
+    plan.root.install(model, plan.params, [b for c in plan.modules.values() for b in c.state.buckets])
     return model
 
 

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.placement_types import Placement
 
 from ._api import BucketPolicy, DataParallelMode, MixedPrecisionPolicy, ReshardPolicy
+from ._blocks import find_blocks
 from ._bucket import Bucket
 from ._class_swap import user_class
 from ._compat import StridedShard, concatenate_meshes
@@ -73,6 +74,7 @@ def plan_parametrization(model: nn.Module, mesh, mode, reshard_after_forward, mp
     setting, params = _validate(model, mesh, mode, reshard_after_forward, mp_policy, shard_dim,
                                 bucket, prefetch)
     plan = Plan(RootState(setting.mp, prefetch), {}, {})
+    plan.state_of(model).is_root = True
     plan_parameters(plan, setting, params)
     if setting.shard_dim == 0 or setting.mode is DataParallelMode.REPLICATE:
         plan_buckets(plan, setting)
@@ -160,7 +162,7 @@ def plan_buckets(plan: Plan, setting: _Setting) -> None:
                 name += f"[{str(dtype).removeprefix('torch.')}]"
             if len(reshards) > 1:
                 name += f"[zero{3 if reshard else 2}]"
-            b = Bucket(name, reshard, group, setting.dp_mesh, setting.mp, plan.root.prefetcher)
+            b = Bucket(name, reshard, group, setting.dp_mesh, setting.mp, plan.root)
             b.bind([plan.sharded[g.fqn] for g in group])  # the new parameters only: the model is untouched
             for g in group:
                 g.bucket = b
@@ -188,8 +190,8 @@ def _ancestors(fqn: str) -> list[str]:
 
 
 def _bucket_roots(bucket: BucketPolicy, model: nn.Module) -> Callable[[str, nn.Module], bool]:
-    if bucket == "blocks":  # torchtitan's wrapping: each repeated block, the root for the rest
-        blocks = {id(child) for m in model.modules() if isinstance(m, nn.ModuleList) for child in m}
+    if bucket == "blocks":  # torchtitan's wrapping: each block (Note [Blocks]), the root for the rest
+        blocks = {id(block) for _, block in find_blocks(model)}
         return lambda fqn, module: fqn == "" or id(module) in blocks
     if bucket == "param":
         return lambda fqn, module: False

@@ -40,6 +40,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed.tensor import DTensor
 
 from ._compat import in_backward, others_saved_tensor_hooks_active
+from ._keep import FSDPTAG_HOOK
 from ._param import ParamGather
 from ._tag import get_fsdp_tag, innermost as _innermost
 
@@ -137,6 +138,8 @@ class Zero3SavedTensorHooks:
         if regather is None:
             regather = self._regathers[source.tag.fqn] = _Regather(source.regather)
         return _PackedView(regather, param, t)
+
+    setattr(_pack, FSDPTAG_HOOK, True)  # not a user's checkpoint (Note [zero2 kept until backward])
 
     @staticmethod
     def _unpack(x):

@@ -8,6 +8,8 @@ runs also when ``forward`` raises), both owned by the root state, which keeps th
 handles. In order:
 
 pre-forward
+  0. note whether this forward trains (grad on); unpin kept zero2 gathers nobody
+     backwarded (Note [zero2 kept until backward] in ``_keep.py``)
   1. open the frame of per-parameter handouts (their in-place check)
   2. prefetch: forget the last forward's unclaimed all-gathers, start recording
      this forward's bucket order (Note [Prefetch] in ``_prefetch.py``)
@@ -37,7 +39,7 @@ from torch.utils.hooks import RemovableHandle
 from ._api import MixedPrecisionPolicy
 from ._bucket import Bucket, scoped
 from ._class_swap import swap_class
-from ._compat import apply_to_tensors
+from ._compat import apply_to_tensors, at_backward_end, in_backward
 from ._param import Handouts, ParamGather
 from ._prefetch import Prefetcher
 from ._reshard import Zero3SavedTensorHooks
@@ -56,11 +58,33 @@ class RootState:
         self.zero3: Zero3SavedTensorHooks | None = None
         self.cast_dtype = mp.param_dtype if mp.cast_forward_inputs else None
         self.handles: list[RemovableHandle] = []  # every hook fsdptag registered on the model
+        self.buckets: list[Bucket] = []
         self._errors_at_entry: list = []  # the exception being handled when forward began
+        self._training: list[bool] = []  # per open root forward: began with grad on
+        # ((graph task, bucket, kept gather), gathered parameters) of the latest scope-less
+        # recompute (Bucket._scopeless_recompute): recomputes run one region at a time.
+        self.recompute_served: tuple | None = None
 
-    def install(self, root: nn.Module, params: dict[str, ParamGather], any_bucket: bool) -> None:
+    def training_forward(self) -> bool:
+        """Whether the innermost open root forward began with grad on (Note [zero2 kept
+        until backward])."""
+        return bool(self._training) and self._training[-1]
+
+    def serve_recompute(self, key: tuple, gathered: dict) -> tuple:
+        """Hold ``gathered`` for the accesses of one scope-less recompute: until the next
+        one replaces it, or this backward ends."""
+        if self.recompute_served is None:
+            at_backward_end(self._drop_served)
+        self.recompute_served = (key, gathered)
+        return self.recompute_served
+
+    def _drop_served(self) -> None:
+        self.recompute_served = None
+
+    def install(self, root: nn.Module, params: dict[str, ParamGather], buckets: list[Bucket]) -> None:
         """Register the root's hooks (``params``: every stored parameter by FQN)."""
-        if self.prefetcher is not None and not any_bucket:
+        self.buckets = buckets
+        if self.prefetcher is not None and not buckets:
             self.prefetcher = None  # nothing to prefetch
         if any(p.tag.reshard_after_forward for p in params.values()):
             self.zero3 = Zero3SavedTensorHooks(params)
@@ -71,6 +95,11 @@ class RootState:
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         self._errors_at_entry.append(sys.exc_info()[1])
+        self._training.append(torch.is_grad_enabled() and not torch.is_inference_mode_enabled())
+        if not in_backward():
+            for b in self.buckets:
+                if b.keeper is not None:
+                    b.keeper.unpin()
         self.handouts.open()
         if self.prefetcher is not None:
             self.prefetcher.pre_forward()
@@ -87,6 +116,7 @@ class RootState:
         # nn.Module runs an always-called hook from its `except` clause when forward
         # raised: then the exception being handled is a new one.
         raised = sys.exc_info()[1] is not self._errors_at_entry.pop()
+        self._training.pop()
         if self.zero3 is not None:
             self.zero3.post_forward()
         if self.prefetcher is not None:
@@ -102,6 +132,7 @@ class ModuleState:
     root: RootState
     params: dict[str, ParamGather] = field(default_factory=dict)
     buckets: tuple[Bucket, ...] = ()
+    is_root: bool = False
 
 
 def module_state(module: nn.Module) -> ModuleState | None:
@@ -113,6 +144,8 @@ def attach(module: nn.Module, state: ModuleState) -> None:
     """Record ``state`` on ``module`` and give it the generated class its parts need:
     a gathering property per parameter name, and a bucket scope for a bucket root."""
     module.__dict__[_STATE] = state
+    if state.is_root:
+        swap_class(module, "Parametrized", _root_methods)
     if state.params:
         names = tuple(state.params)
         swap_class(module, "FSDPTag", lambda cls: _param_properties(names), key=names)
@@ -133,6 +166,32 @@ def _param_properties(names: tuple[str, ...]) -> dict:
     props: dict = {name: property(functools.partial(_access, name=name)) for name in names}
     props["_fsdptag_param_names"] = names
     return props
+
+
+def _get_parameter(self, target: str) -> nn.Parameter:
+    """The stored (sharded) parameter at ``target``: what ``named_parameters()`` lists,
+    as under FSDP2 (attribute access would gather it)."""
+    module_path, _, name = target.rpartition(".")
+    module = self.get_submodule(module_path)
+    if name in module._parameters and module_state(module) is not None:
+        return module._parameters[name]
+    return nn.Module.get_parameter(self, target)
+
+
+def _refuse_resize(self, *args, **kwargs):
+    raise RuntimeError(
+        "fsdptag: resize_token_embeddings replaces parameters with new shapes, which a "
+        "parametrized model cannot take; call it before fsdptag.parametrize"
+    )
+
+
+def _root_methods(cls: type) -> dict:
+    """The root's ``get_parameter`` returns stored parameters (Hugging Face's ``tie_weights``
+    reads them that way); Hugging Face's ``resize_token_embeddings`` is refused."""
+    methods = {"get_parameter": _get_parameter}
+    if hasattr(cls, "resize_token_embeddings"):
+        methods["resize_token_embeddings"] = _refuse_resize
+    return methods
 
 
 def _bucket_root_methods(cls: type) -> dict:

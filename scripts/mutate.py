@@ -3,9 +3,9 @@
     .venv/bin/python scripts/mutate.py [--only NAME ...] [--list] [--write docs/mutation.md]
 
 Each mutant replaces one exact snippet of one file (the script stops if the snippet is
-not found exactly once: the code moved, update the table). The repository (tracked
+not found exactly once: the code moved, update the table). The working tree (tracked
 and untracked-but-not-ignored files, as they are on disk now) is copied once into a
-snapshot; each mutant runs in a fresh copy of that snapshot with
+snapshot (or, with ``--rev``, a commit is); each mutant runs in a fresh copy of it with
 ``PYTHONPATH=<copy>``, so the copy's ``fsdptag`` shadows the editable install, in
 pytest and in the ranks the tests spawn (checked once per run). A baseline run of the
 same test files on the unmutated copy comes first: a mutant only counts as killed if
@@ -16,12 +16,14 @@ passed), timeout (killed by the per-mutant timeout, e.g. ranks that deadlock).
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from dataclasses import dataclass
@@ -120,24 +122,34 @@ def python() -> str:
     return str(venv) if venv.exists() else sys.executable
 
 
-def snapshot(dest: Path) -> None:
-    """Copy the working tree (tracked + untracked, not ignored) to ``dest``."""
-    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                           cwd=ROOT, check=True, capture_output=True).stdout.decode().split("\0")
-    for f in filter(None, files):
-        src = ROOT / f
-        if src.is_file():  # deleted in the working tree: skip
+def git(*args: str) -> bytes:
+    return subprocess.run(["git", *args], cwd=ROOT, check=True, capture_output=True).stdout
+
+
+def snapshot(dest: Path, rev: str | None) -> str:
+    """Copy commit ``rev``, or the working tree (tracked + untracked, not ignored), to
+    ``dest``; returns what was copied, for the report."""
+    dest.mkdir(parents=True)
+    if rev is not None:
+        with tarfile.open(fileobj=io.BytesIO(git("archive", rev))) as tar:
+            tar.extractall(dest, filter="data")
+        return f"commit {git('rev-parse', '--short', rev).decode().strip()}"
+    for f in filter(None, git("ls-files", "-z", "--cached", "--others", "--exclude-standard").decode().split("\0")):
+        if (ROOT / f).is_file():  # not deleted in the working tree
             (dest / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dest / f)
+            shutil.copy2(ROOT / f, dest / f)
+    dirty = git("status", "--porcelain", "--", "fsdptag", "tests")
+    return (f"the working tree at commit {git('rev-parse', '--short', 'HEAD').decode().strip()}"
+            + (" with uncommitted changes" if dirty else ""))
 
 
-def apply(m: Mutant, root: Path) -> None:
-    path = root / m.file
-    text = path.read_text()
+def mutated(m: Mutant, root: Path) -> str:
+    """``m.file`` under ``root`` with the mutation applied; stops if the snippet moved."""
+    text = (root / m.file).read_text()
     n = text.count(m.old)
     if n != 1:
         raise SystemExit(f"mutant {m.name}: snippet found {n} times in {m.file} (code moved?):\n{m.old}")
-    path.write_text(text.replace(m.old, m.new))
+    return text.replace(m.old, m.new)
 
 
 def env_for(copy: Path) -> dict:
@@ -153,33 +165,30 @@ def check_imports(copy: Path) -> None:
 
 
 def run_tests(copy: Path, tests: tuple[str, ...], timeout: float) -> tuple[str, float, str]:
-    """(result, seconds, pytest output) for ``tests`` run in ``copy``."""
+    """("passed" | "failed (why)" | "timeout", seconds, pytest output) for ``tests`` in ``copy``."""
     t0 = time.perf_counter()
     proc = subprocess.Popen([python(), "-m", "pytest", "-x", "-q", *tests],
                             cwd=copy, env=env_for(copy), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)  # its own group: spawned ranks die with it
     try:
         out, _ = proc.communicate(timeout=timeout)
-        result = "survived" if proc.returncode == 0 else "killed"
+        status = "passed" if proc.returncode == 0 else f"failed ({why_failed(out) or f'exit {proc.returncode}'})"
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        result = "timeout"
+        out, status = proc.communicate()[0], "timeout"
     except BaseException:  # interrupted: take the ranks down too
         os.killpg(proc.pid, signal.SIGKILL)
         raise
-    if result == "killed":
-        result += f" ({why_killed(out) or f'exit {proc.returncode}'})"
-    return result, time.perf_counter() - t0, out
+    return status, time.perf_counter() - t0, out
 
 
-def why_killed(out: str) -> str | None:
+def why_failed(out: str) -> str | None:
     """A rank desync the harness reported (the tests after it fail only because their
     cases never ran), else the first failing test."""
     desync = _DESYNC.search(out)
     if desync:
         return f"ranks out of step in case '{desync.group(1) or desync.group(2)}'"
-    failed = re.search(r"^(?:FAILED|ERROR) (\S+)", out, re.M)
+    failed = re.search(r"^(?:FAILED|ERROR) (.+?)(?: - .*)?$", out, re.M)  # ids may hold spaces
     return failed and failed.group(1).split("::")[-1]
 
 
@@ -193,15 +202,16 @@ def table(rows: list[tuple[str, str, tuple[str, ...], str, float]]) -> str:
 
 HEADER = """# Mutation testing
 
-Each row plants one realistic bug (`scripts/mutate.py` lists the exact snippet it
-replaces) and runs the named test files on a copy of the repository; **killed** = the
-tests failed (the failing test in parentheses), **survived** = they passed, **timeout** =
-the run was stopped after {timeout:.0f} s (ranks out of step). The baseline row is the
-same test files without a mutation. Re-run with
+Each row plants one realistic bug (`scripts/mutate.py` holds the exact snippet it
+replaces) and runs the named test files, `pytest -x`, on a copy of the repository:
+**killed** = the tests failed (in parentheses: the first failing test, or the case after
+which the ranks went out of step), **survived** = they passed, **timeout** = stopped
+after {timeout:.0f} s. The baseline row runs the same files without a mutation. Re-run with
 
     .venv/bin/python scripts/mutate.py [--only NAME ...] [--write docs/mutation.md]
 
-(`--list` shows the mutants). This run: commit {commit}{dirty}, {date}.
+(`--list` shows the mutants; `--rev HEAD` tests the last commit instead of the working
+tree). This run: {source}, {date}.
 
 """
 
@@ -213,11 +223,11 @@ def main(argv=None) -> None:
     p.add_argument("--write", metavar="PATH", help="also write the table (markdown) to PATH")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per mutant (default 600)")
     p.add_argument("--log-dir", help="keep each run's pytest output in DIR/<mutant>.log")
+    p.add_argument("--rev", help="test this commit (e.g. HEAD) instead of the working tree")
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # clean up the copies and ranks
 
-    names = {m.name for m in MUTANTS}
-    unknown = set(args.only or ()) - names
+    unknown = set(args.only or ()) - {m.name for m in MUTANTS}
     if unknown:
         p.error(f"unknown mutant(s) {sorted(unknown)}; --list shows them")
     mutants = [m for m in MUTANTS if not args.only or m.name in args.only]
@@ -228,40 +238,38 @@ def main(argv=None) -> None:
 
     with tempfile.TemporaryDirectory(prefix="fsdptag-mutate-") as tmp:
         base = Path(tmp) / "snapshot"
-        snapshot(base)
+        source = snapshot(base, args.rev)
         for m in mutants:  # every snippet still matches before anything runs
-            apply(m, Path(shutil.copytree(base, Path(tmp) / "probe", dirs_exist_ok=True)))
-            shutil.rmtree(Path(tmp) / "probe")
+            mutated(m, base)
         check_imports(base)
 
-        def run(name, plants, tests, mutant=None):
+        def run(name: str, tests: tuple[str, ...], mutant: Mutant | None = None) -> tuple[str, float]:
             copy = Path(tmp) / "run"
             shutil.copytree(base, copy)
             if mutant is not None:
-                apply(mutant, copy)
-            result, secs, out = run_tests(copy, tests, args.timeout)
+                (copy / mutant.file).write_text(mutated(mutant, copy))
+            status, secs, out = run_tests(copy, tests, args.timeout)
             shutil.rmtree(copy)
             if args.log_dir:
                 Path(args.log_dir).mkdir(parents=True, exist_ok=True)
                 Path(args.log_dir, f"{name}.log").write_text(out)
-            print(f"{name:<30} {result:<50} {secs:5.0f} s", flush=True)
-            return name, plants, tests, result, secs
+            if mutant is not None:  # in mutation-testing words
+                status = "survived" if status == "passed" else status.replace("failed", "killed", 1)
+            print(f"{name:<30} {status:<60} {secs:5.0f} s", flush=True)
+            return status, secs
 
         all_tests = tuple(dict.fromkeys(t for m in mutants for t in m.tests))
-        rows = [run("baseline", "nothing (unmutated copy)", all_tests)]
-        if rows[0][3] != "survived":
+        status, secs = run("baseline", all_tests)
+        if status != "passed":
             raise SystemExit("baseline failed: the tests do not pass without a mutation")
-        rows += [run(m.name, m.plants, m.tests, m) for m in mutants]
+        rows = [("baseline", "nothing (unmutated copy)", all_tests, status, secs)]
+        rows += [(m.name, m.plants, m.tests, *run(m.name, m.tests, m)) for m in mutants]
 
-    rows[0] = rows[0][:3] + ("passed",) + rows[0][4:]
     text = table(rows)
     print("\n" + text)
     if args.write:
-        git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        dirty = " (+ uncommitted changes)" if git("status", "--porcelain", "--", "fsdptag", "tests") else ""
         Path(args.write).write_text(HEADER.format(
-            timeout=args.timeout, commit=git("rev-parse", "--short", "HEAD"), dirty=dirty,
-            date=time.strftime("%Y-%m-%d")) + text + "\n")
+            timeout=args.timeout, source=source, date=time.strftime("%Y-%m-%d")) + text + "\n")
 
 
 if __name__ == "__main__":

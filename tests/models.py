@@ -110,3 +110,23 @@ def rank() -> int:
 
 def clone(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model)
+
+
+class DictNet(Net):
+    """``Net`` with its blocks in an ``nn.ModuleDict``, as torchtitan's current Llama keeps them."""
+
+    def __init__(self, n_layers: int = 2) -> None:
+        super().__init__(n_layers)
+        self.layers = nn.ModuleDict({str(i): block for i, block in enumerate(self.layers)})
+
+    def forward(self, tokens):
+        h = self.tok(tokens)
+        for layer in self.layers.values():
+            h = layer(h)
+        return self.head(self.norm(h))
+
+
+def make_dict_net(seed: int = 0) -> DictNet:
+    net = DictNet()
+    net.load_state_dict(make_net(seed).state_dict())
+    return net

@@ -458,7 +458,7 @@ def test_apply_ac_bad_input():
         fsdptag.apply_ac(model, "selective", layer_every=0)
     with pytest.raises(TypeError, match="torch.ops.aten.mm.default"):
         fsdptag.apply_ac(model, "selective", save_ops=[aten.mm])
-    with pytest.raises(ValueError, match="no `layers` container"):
+    with pytest.raises(ValueError, match="Linear has no blocks .children of an nn.ModuleList or nn.ModuleDict.; pass blocks="):
         fsdptag.apply_ac(nn.Linear(2, 2), "full")
     assert all(type(b).__name__ == "TransformerBlock" for b in model.layers)  # unchanged
     fsdptag.apply_ac(model, "full")

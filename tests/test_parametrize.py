@@ -97,14 +97,19 @@ def _kept_bytes(mesh, reshard):
     model = models.make_net()
     fsdptag.parametrize(model, mesh, mode="fully_shard", reshard_after_forward=reshard)
     tokens, targets = models.batch(0, mesh.size())
-    kept, peaks = set(), set()
+    kept, peaks, backward_peaks = set(), set(), set()
     for _ in range(3):  # the same every time: the tracker settles gloo's late frees
         with LiveStorageTracker(track_peak=True, settle_collectives=True) as mem:
             loss = models.loss_fn(model(tokens[mesh.get_local_rank()]), targets[mesh.get_local_rank()])
         kept.add(mem.live_bytes())
         peaks.add(mem.peak_bytes)
-        loss.backward()
-    return sorted(kept), sorted(peaks)
+        with LiveStorageTracker(track_peak=True, settle_collectives=True) as mem:
+            loss.backward()  # zero3: each re-gathered bucket dropped after its last use
+        backward_peaks.add(mem.peak_bytes)
+        del loss
+        for p in model.parameters():
+            p.grad = None
+    return sorted(kept), sorted(peaks), sorted(backward_peaks)
 
 
 def _weights_backward_needs() -> int:
@@ -771,14 +776,16 @@ backward all_reduce dp x3""")
 
 
 def test_zero3_frees_gathered_params(two_ranks):
-    (kept2, peak2), (kept3, peak3) = result(two_ranks, "kept zero2"), result(two_ranks, "kept zero3")
-    assert len(kept2) == len(kept3) == len(peak2) == len(peak3) == 1, (kept2, kept3, peak2, peak3)
-    (kept2,), (kept3,), (peak2,), (peak3,) = kept2, kept3, peak2, peak3
+    (kept2, peak2, bwd2), (kept3, peak3, bwd3) = result(two_ranks, "kept zero2"), result(two_ranks, "kept zero3")
+    assert len(kept2) == len(kept3) == len(peak2) == len(peak3) == len(bwd2) == len(bwd3) == 1, \
+        (kept2, kept3, peak2, peak3, bwd2, bwd3)
+    (kept2,), (kept3,), (peak2,), (peak3,), (bwd2,), (bwd3,) = kept2, kept3, peak2, peak3, bwd2, bwd3
     assert kept2 - kept3 == _weights_backward_needs(), (kept2, kept3)
     # ... and during forward: block 0's gathered parameters are gone before block 1 ends.
     block = sum(p.numel() * p.element_size() for p in models.make_net().layers[0].parameters())
     assert peak2 - peak3 >= block, (peak2, peak3, block)
-    assert_expected_inline(f"kept {kept2} / {kept3} B, forward peak {peak2} / {peak3} B", """kept 24328 / 13064 B, forward peak 26496 / 20488 B""")
+    assert_expected_inline(f"kept {kept2} / {kept3} B, forward peak {peak2} / {peak3} B, "
+                           f"backward peak {bwd2} / {bwd3} B", """kept 24328 / 13064 B, forward peak 26496 / 20488 B, backward peak 17116 / 17116 B""")
 
 
 def test_bf16_matches_fsdp2(two_ranks):
@@ -844,8 +851,8 @@ zero2 selective: grads equal: True
   AG <root>, wait <root>, enter 0, AG layers.0, wait layers.0, enter 1, AG layers.1, wait layers.1, bwd wait layers.1, bwd wait layers.0
   skip: AG <root>, wait <root>, enter 0, AG layers.0, wait layers.0, bwd wait layers.0
 zero2 plain checkpoint: grads equal: True
-  AG <root>, wait <root>, AG layers.0, enter 0, wait layers.0, AG layers.1, enter 1, wait layers.1, enter 1, bwd AG layers.1, bwd wait layers.1, enter 0, bwd AG layers.0, bwd wait layers.0
-  skip: AG <root>, wait <root>, AG layers.0, enter 0, wait layers.0, AG layers.1, wait layers.1, enter 0, bwd AG layers.0, bwd wait layers.0
+  AG <root>, wait <root>, AG layers.0, enter 0, wait layers.0, AG layers.1, enter 1, wait layers.1, enter 1, enter 0
+  skip: AG <root>, wait <root>, AG layers.0, enter 0, wait layers.0, AG layers.1, wait layers.1, enter 0
 zero3 none: grads equal: True
   AG <root>, wait <root>, AG layers.0, enter 0, wait layers.0, AG layers.1, enter 1, wait layers.1, bwd AG <root>, bwd wait <root>, bwd AG layers.1, bwd wait layers.1, bwd AG layers.0, bwd wait layers.0
   skip: AG <root>, wait <root>, AG layers.0, enter 0, wait layers.0, AG layers.1, wait layers.1, bwd AG <root>, bwd wait <root>, bwd AG layers.0, bwd wait layers.0

@@ -1,0 +1,46 @@
+"""What a "block" is: one definition for ``bucket="blocks"`` and ``apply_ac``.
+
+Note [Blocks]
+-------------
+A block is a child of an ``nn.ModuleList`` or ``nn.ModuleDict`` that is not itself
+inside another block. That finds, at any depth:
+
+=======================================  ==================================
+model                                    blocks
+=======================================  ==================================
+fsdptag's Llama, torchtitan (older)      ``layers.0``, ``layers.1`` (ModuleList)
+torchtitan (current)                     ``layers.0``, ... (ModuleDict)
+Hugging Face Llama-style                 ``model.layers.0``, ... (ModuleList)
+Hugging Face GPT-2                       ``transformer.h.0``, ...
+a block holding a ModuleList (experts)   the block only: its experts are inside it
+=======================================  ==================================
+
+FSDP2 users wrap the same modules (``fully_shard`` per block, then the root), and
+torchtitan and Hugging Face checkpoint the same modules, so a bucket and a
+checkpointed region coincide: the region gathers its bucket once in forward.
+Pass ``blocks=`` to ``apply_ac`` or a callable ``bucket=`` to ``parametrize`` for
+another choice.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+__all__ = ["find_blocks"]
+
+
+def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(fqn, module)`` of every block of ``model`` (Note [Blocks]), in module order."""
+    blocks: list[tuple[str, nn.Module]] = []
+
+    def visit(fqn: str, module: nn.Module) -> None:
+        is_container = isinstance(module, (nn.ModuleList, nn.ModuleDict))
+        for name, child in module.named_children():
+            child_fqn = f"{fqn}.{name}" if fqn else name
+            if is_container:
+                blocks.append((child_fqn, child))  # its own children are inside a block
+            else:
+                visit(child_fqn, child)
+
+    visit("", model)
+    return blocks

@@ -1,0 +1,118 @@
+"""zero2 under anyone's activation checkpointing: a bucket's gather kept for the recompute.
+
+Note [zero2 kept until backward]
+--------------------------------
+zero2 means "gathered until backward". fsdptag's own checkpoint policy gets that by
+saving the all-gather output (Note [Tagged checkpoint policy]); but a region
+checkpointed without it (plain ``torch.utils.checkpoint``, reentrant or not,
+``checkpoint_wrapper``, Hugging Face's ``gradient_checkpointing_enable()``) saves
+nothing, so its recompute in backward would all-gather every block again. FSDP2 does
+not, since its zero2 keeps the unsharded parameters until the post-backward.
+
+So a zero2 bucket whose gather runs inside such a region keeps the gathered pieces
+(a :class:`KeptGather`), and the region's recompute, finding one for the same
+stored shards (same objects, same versions), serves from it with no collective.
+Who holds it, and until when:
+
+================================  ==========================================  =================================
+the forward's gather runs          detected by                                 held by, until
+================================  ==========================================  =================================
+in a non-reentrant checkpoint      saved-tensor hooks active (not fsdptag's)   the gather's autograd node, until
+                                                                               its backward (the reduce-scatter)
+in a reentrant checkpoint          grad off inside a root forward that         the bucket ("pinned"), until the
+                                   started with grad on                        recompute's node takes it over, or
+                                                                               the next root forward
+outside regions, or in fsdptag's   (not kept: autograd or the policy saves     -
+selective-checkpoint policy        what backward needs)
+================================  ==========================================  =================================
+
+The recompute's gather still runs the bucket's autograd Function (returning views
+of the kept pieces), so a reentrant recompute, whose graph is the one backward
+runs, reduce-scatters the gradients exactly once; a non-reentrant one's graph is
+discarded and the forward's node reduce-scatters. A recompute that finds no open
+gather scope (a checkpoint wrapper that is itself the bucket root) is served one
+gather per backward, shared by its accesses (zero2: the kept one). zero3 keeps
+nothing: the recompute gathers each bucket once, as it should. The cost is the pieces that
+backward itself does not read (say a block's biases), held until the bucket's
+backward; FSDP2's zero2 holds those too. Without a checkpoint nothing is kept.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from ._compat import current_sac_region, in_backward, top_saved_tensor_pack_hook
+
+__all__ = ["KeptGather", "Keeper"]
+
+FSDPTAG_HOOK = "_fsdptag_hook"  # marks fsdptag's own saved-tensor hooks (zero3)
+
+
+class KeptGather:
+    """A zero2 bucket's gathered pieces from one forward, and what they were gathered from."""
+
+    __slots__ = ("pieces", "shards", "versions", "__weakref__")
+
+    def __init__(self, pieces, params) -> None:
+        self.pieces = tuple(pieces)
+        self.shards = tuple(p._local_tensor for p in params)
+        self.versions = tuple(s._version for s in self.shards)
+
+    def matches(self, params) -> bool:
+        return all(p._local_tensor is s and s._version == v
+                   for p, s, v in zip(params, self.shards, self.versions))
+
+
+class Keeper:
+    """The kept gathers of one zero2 bucket; see Note [zero2 kept until backward]."""
+
+    def __init__(self, training_forward) -> None:
+        self.training_forward = training_forward  # () -> whether a root forward began with grad on
+        self.owned: list[weakref.ref[KeptGather]] = []  # held by forward nodes
+        self.pinned: list[KeptGather] = []  # held here (reentrant checkpoint's no-grad forward)
+
+    def how_to_keep(self) -> str | None:
+        """In a forward gather: "node", "pin" or None (not kept)."""
+        if in_backward() or torch.is_inference_mode_enabled() or current_sac_region() is not None:
+            return None
+        if torch.is_grad_enabled():
+            pack = top_saved_tensor_pack_hook()
+            return "node" if pack is not None and not getattr(pack, FSDPTAG_HOOK, False) else None
+        return "pin" if self.training_forward() else None
+
+    def keep(self, entry: KeptGather, how: str, ctx) -> None:
+        if how == "node":
+            ctx.kept = entry
+            self.owned.append(weakref.ref(entry))
+        else:
+            self.pinned.append(entry)
+
+    def find(self, params) -> KeptGather | None:
+        """In a recompute (in backward, outside selective-checkpoint regions): the newest
+        kept gather of these very shards."""
+        if not in_backward() or current_sac_region() is not None:
+            return None
+        self.owned = [r for r in self.owned if r() is not None]
+        for entry in [r() for r in reversed(self.owned)] + self.pinned[::-1]:
+            if entry is not None and entry.matches(params):
+                return entry
+        return None
+
+    def adopt(self, entry: KeptGather, ctx) -> None:
+        """The recompute's node holds ``entry`` now (a reentrant recompute's is backwarded)."""
+        ctx.kept = entry
+        if any(e is entry for e in self.pinned):
+            self.pinned = [e for e in self.pinned if e is not entry]
+            self.owned.append(weakref.ref(entry))
+
+    def release(self, entry: KeptGather) -> None:
+        """The bucket's backward ran: its gradients are reduced, the pieces can go."""
+        entry.pieces = ()
+        self.owned = [r for r in self.owned if r() is not None and r() is not entry]
+        self.pinned = [e for e in self.pinned if e is not entry]
+
+    def unpin(self) -> None:
+        """A new root forward: pinned gathers nobody backwarded are stale."""
+        self.pinned = []
