@@ -329,7 +329,7 @@ class _GatherBucket(torch.autograd.Function):
         if tagged:  # compute gets plain tensors (Note [Marked handout] in _tag.py)
             pieces = [mark_gathered(p._elem, tag) for p, tag in zip(pieces, bucket.tag.parts)]
         if keep is not None:
-            bucket.keeper.keep(KeptGather(pieces, params), keep, ctx)
+            bucket.keeper.keep(KeptGather(pieces, params, bucket.keeper), keep, ctx)
         # views made here: autograd refuses in-place ops on them (grad on)
         return tuple(_unpad(bucket, slot, p) for slot, p in zip(bucket.slots, pieces))
 
@@ -337,7 +337,7 @@ class _GatherBucket(torch.autograd.Function):
     def backward(ctx, *grads):
         bucket = ctx.bucket
         if ctx.kept is not None:  # this bucket's backward: its kept gather is done with
-            bucket.keeper.release(ctx.kept)
+            ctx.kept.release()
             ctx.kept = None
         some = next(g for g in grads if g is not None)
         grads = [  # a parameter of the bucket that this forward did not use gets zeros

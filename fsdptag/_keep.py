@@ -26,6 +26,11 @@ outside regions, or in fsdptag's   (not kept: autograd or the policy saves     -
 selective-checkpoint policy        what backward needs)
 ================================  ==========================================  =================================
 
+A parameter gathered alone (``bucket="param"``) keeps its all-gather output the
+same way (held by its handout's node); its recompute runs the same DTensor gather
+with the all-gather answered from it (:class:`ServeAllGather`). TP parameters gather
+again (their DTensor path is not replayed this way).
+
 The recompute's gather still runs the bucket's autograd Function (returning views
 of the kept pieces), so a reentrant recompute, whose graph is the one backward
 runs, reduce-scatters the gradients exactly once; a non-reentrant one's graph is
@@ -43,26 +48,38 @@ import weakref
 
 import torch
 
-from ._compat import current_sac_region, in_backward, top_saved_tensor_pack_hook
+from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["KeptGather", "Keeper"]
+from ._compat import contiguous_strides, current_sac_region, in_backward, top_saved_tensor_pack_hook
+from ._tag import FSDPTaggedTensor, get_fsdp_tag
+
+__all__ = ["KeptGather", "Keeper", "ServeAllGather"]
+
+c10d = torch.ops._c10d_functional
 
 FSDPTAG_HOOK = "_fsdptag_hook"  # marks fsdptag's own saved-tensor hooks (zero3)
 
 
 class KeptGather:
-    """A zero2 bucket's gathered pieces from one forward, and what they were gathered from."""
+    """A zero2 gather's pieces (a bucket's copied-out parameters, or one parameter's
+    all-gather output) from one forward, and what they were gathered from."""
 
-    __slots__ = ("pieces", "shards", "versions", "__weakref__")
+    __slots__ = ("pieces", "shards", "versions", "keeper", "__weakref__")
 
-    def __init__(self, pieces, params) -> None:
-        self.pieces = tuple(pieces)
+    def __init__(self, pieces, params, keeper: Keeper) -> None:
+        self.pieces = tuple(p.detach() for p in pieces)  # no autograd history: no cycle via grad_fn
         self.shards = tuple(p._local_tensor for p in params)
         self.versions = tuple(s._version for s in self.shards)
+        self.keeper = keeper
 
     def matches(self, params) -> bool:
         return all(p._local_tensor is s and s._version == v
                    for p, s, v in zip(params, self.shards, self.versions))
+
+    def release(self) -> None:
+        """The gather's backward ran: its gradients are reduced, the pieces can go."""
+        self.pieces = ()
+        self.keeper.forget(self)
 
 
 class Keeper:
@@ -82,9 +99,12 @@ class Keeper:
             return "node" if pack is not None and not getattr(pack, FSDPTAG_HOOK, False) else None
         return "pin" if self.training_forward() else None
 
-    def keep(self, entry: KeptGather, how: str, ctx) -> None:
+    def keep(self, entry: KeptGather, how: str, node) -> None:
+        """``node``: the gather's autograd node, whose backward calls ``entry.release()``."""
         if how == "node":
-            ctx.kept = entry
+            if node is None:  # nothing requires grad: no backward, nothing to keep for
+                return
+            node.kept = entry
             self.owned.append(weakref.ref(entry))
         else:
             self.pinned.append(entry)
@@ -100,19 +120,38 @@ class Keeper:
                 return entry
         return None
 
-    def adopt(self, entry: KeptGather, ctx) -> None:
+    def adopt(self, entry: KeptGather, node) -> None:
         """The recompute's node holds ``entry`` now (a reentrant recompute's is backwarded)."""
-        ctx.kept = entry
+        if node is None:
+            return
+        node.kept = entry
         if any(e is entry for e in self.pinned):
             self.pinned = [e for e in self.pinned if e is not entry]
             self.owned.append(weakref.ref(entry))
 
-    def release(self, entry: KeptGather) -> None:
-        """The bucket's backward ran: its gradients are reduced, the pieces can go."""
-        entry.pieces = ()
+    def forget(self, entry: KeptGather) -> None:
         self.owned = [r for r in self.owned if r() is not None and r() is not entry]
         self.pinned = [e for e in self.pinned if e is not entry]
 
     def unpin(self) -> None:
         """A new root forward: pinned gathers nobody backwarded are stale."""
         self.pinned = []
+
+
+class ServeAllGather(TorchDispatchMode):
+    """Answers one parameter's ``all_gather_into_tensor`` with the kept output of the
+    forward's (``kept`` shares its storage), so a per-parameter recompute runs the very
+    same DTensor gather, autograd included, without the collective."""
+
+    def __init__(self, kept: torch.Tensor) -> None:
+        super().__init__()
+        self.kept = kept
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is not c10d.all_gather_into_tensor.default:
+            return func(*args, **(kwargs or {}))
+        inp, world = args[0], args[1]
+        shape = (inp.shape[0] * world, *inp.shape[1:])
+        out = self.kept.as_strided(shape, contiguous_strides(shape), 0)
+        tag = get_fsdp_tag(inp)
+        return FSDPTaggedTensor(out, tag) if tag is not None else out

@@ -36,10 +36,12 @@ from torch.distributed.tensor.placement_types import Placement
 
 from ._api import MixedPrecisionPolicy
 from ._compat import contiguous_strides
+from ._keep import KeptGather, Keeper, ServeAllGather
 from ._tag import FSDPTag, alias, check_unchanged, refuse_in_place, tag_shard, untag
 
 if TYPE_CHECKING:
     from ._bucket import Bucket
+    from ._state import RootState
 
 __all__ = [
     "Handouts",
@@ -138,7 +140,7 @@ class ParamGather:
         tp_mesh: DeviceMesh | None,
         tp_placements: tuple[Placement, ...],
         shape: torch.Size,
-        handouts: Handouts,
+        root: RootState,
     ) -> None:
         self.tag = tag
         self.module_info = module_info
@@ -157,8 +159,11 @@ class ParamGather:
         self.tp_placements = tp_placements
         self.shape = shape
         self.stride = contiguous_strides(shape)
-        self.handouts = handouts  # the root's check of per-parameter handouts
+        self.handouts = root.handouts  # the root's check of per-parameter handouts
         self.bucket: Bucket | None = None  # set when bucketed (Note [Buckets])
+        # zero2 gathers kept for a checkpoint's recompute (Note [zero2 kept until backward])
+        self.keeper = (Keeper(root.training_forward)
+                       if not tag.reshard_after_forward and self.collective and tp_mesh is None else None)
 
     @property
     def fqn(self) -> str:
@@ -188,6 +193,21 @@ class ParamGather:
         # No FSDP op, or nothing to checkpoint (inference_mode): no tag (Note [Marked
         # handout] in _tag.py).
         tagged = tagged and copies and not torch.is_inference_mode_enabled()
+        if self.keeper is None or not tagged:
+            return self._gather(stored, tagged, copies)
+        kept = self.keeper.find([stored])  # a recompute: serve the forward's all-gather
+        if kept is not None:
+            with ServeAllGather(kept.pieces[0]):
+                out = self._gather(stored, tagged, copies)
+            self.keeper.adopt(kept, out.grad_fn)
+            return out
+        how = self.keeper.how_to_keep()
+        out = self._gather(stored, tagged, copies)
+        if how is not None:  # the handout's storage is the all-gather output
+            self.keeper.keep(KeptGather((out,), [stored], self.keeper), how, out.grad_fn)
+        return out
+
+    def _gather(self, stored: DTensor, tagged: bool, copies: bool) -> torch.Tensor:
         local = stored.to_local()
         if tagged:
             local = tag_shard(local, self.tag)

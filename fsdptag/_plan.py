@@ -341,7 +341,7 @@ def _shard_param(param: nn.Parameter, tag: FSDPTag, module_info: ParamModuleInfo
     if not isinstance(param, DTensor):
         sharded = distribute_tensor(param.detach(), dp_mesh, dp_placements, src_data_rank=None)
         gather = ParamGather(tag, module_info, dp_mesh, dp_placements, param.shape, setting.mp,
-                             None, (), param.shape, root.handouts)
+                             None, (), param.shape, root)
         return gather, nn.Parameter(sharded, requires_grad=param.requires_grad)
 
     tp_mesh, tp_placements = param.device_mesh, tuple(param.placements)
@@ -354,7 +354,7 @@ def _shard_param(param: nn.Parameter, tag: FSDPTag, module_info: ParamModuleInfo
         shape=param.shape, stride=param.stride(),
     )
     gather = ParamGather(tag, module_info, dp_mesh, dp_placements, tp_local.shape, setting.mp,
-                         tp_mesh, tp_placements, param.shape, root.handouts)
+                         tp_mesh, tp_placements, param.shape, root)
     return gather, nn.Parameter(sharded, requires_grad=param.requires_grad)
 
 

@@ -403,6 +403,10 @@ class _Handout(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        kept = getattr(ctx, "kept", None)  # a zero2 gather kept for a recompute (_keep.py)
+        if kept is not None:
+            kept.release()
+            ctx.kept = None
         return grad, None
 
 

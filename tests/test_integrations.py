@@ -39,14 +39,14 @@ def _wrap_forward(block: nn.Module, reentrant: bool) -> None:
     block.forward = lambda *args, **kwargs: checkpoint(forward, *args, use_reentrant=reentrant, **kwargs)
 
 
-def _llama(mesh, reshard: bool, how: str) -> nn.Module:
+def _llama(mesh, reshard: bool, how: str, bucket: str = "blocks") -> nn.Module:
     torch.manual_seed(0)
     model = Llama(CFG)
     model.init_weights()
     if how == "wrapper before parametrize":
         for i, block in enumerate(model.layers):
             model.layers[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
-    fsdptag.parametrize(model, mesh, reshard_after_forward=reshard, mp_policy=MP)
+    fsdptag.parametrize(model, mesh, reshard_after_forward=reshard, mp_policy=MP, bucket=bucket)
     if how in ("plain", "reentrant"):
         for block in model.layers:
             _wrap_forward(block, reentrant=how == "reentrant")
@@ -73,12 +73,12 @@ def _train_step(model, mesh, dp_rank):
     return cc, at_forward_end - mem.live_bytes(), grads
 
 
-def _any_checkpointing(mesh, dp_rank):
+def _any_checkpointing(mesh, dp_rank, bucket="blocks"):
     rows = {}
     for reshard in (False, True):
         reference = None
         for how in CHECKPOINTING:
-            model = _llama(mesh, reshard, how)
+            model = _llama(mesh, reshard, how, bucket)
             _train_step(model, mesh, dp_rank)  # a warm-up step: the second must look the same
             cc, kept, grads = _train_step(model, mesh, dp_rank)
             reference = reference or grads
@@ -178,6 +178,7 @@ def worker_2ranks():
     dp_rank = mesh.get_local_rank()
     return run_cases({
         "any checkpointing": functools.partial(_any_checkpointing, mesh, dp_rank),
+        "any checkpointing, per parameter": functools.partial(_any_checkpointing, mesh, dp_rank, "param"),
         "fsdp2 kept": functools.partial(_fsdp2_kept, mesh, dp_rank),
         "module dict": functools.partial(_module_dict_blocks, mesh, dp_rank),
         "stateful policy": functools.partial(_stateful_policy, mesh, dp_rank),
@@ -208,6 +209,26 @@ zero3 wrapper: 3/3, kept 11464 B, reduce-scatters 3, grads bitwise
 zero3 wrapper before parametrize: 3/3, kept 11464 B, reduce-scatters 3, grads bitwise
 zero3 fsdptag full: 3/3, kept 11464 B, reduce-scatters 3, grads bitwise
 zero3 fsdptag selective: 3/3, kept 22472 B, reduce-scatters 3, grads bitwise""")
+
+
+def test_zero2_never_regathers_per_parameter_either(results):
+    rows = result(results, "any checkpointing, per parameter")
+    text = "\n".join(f"{k}: {v}" for k, v in rows.items())
+    assert_expected_inline(text, """\
+zero2 none: 21/0, kept 88968 B, reduce-scatters 21, grads bitwise
+zero2 plain: 21/0, kept 48264 B, reduce-scatters 21, grads bitwise
+zero2 reentrant: 21/0, kept 48264 B, reduce-scatters 21, grads bitwise
+zero2 wrapper: 21/0, kept 48264 B, reduce-scatters 21, grads bitwise
+zero2 wrapper before parametrize: 21/0, kept 48264 B, reduce-scatters 21, grads bitwise
+zero2 fsdptag full: 21/0, kept 48264 B, reduce-scatters 21, grads bitwise
+zero2 fsdptag selective: 21/0, kept 59272 B, reduce-scatters 21, grads bitwise
+zero3 none: 21/20, kept 52168 B, reduce-scatters 21, grads bitwise
+zero3 plain: 21/20, kept 11464 B, reduce-scatters 21, grads bitwise
+zero3 reentrant: 21/20, kept 11464 B, reduce-scatters 21, grads bitwise
+zero3 wrapper: 21/20, kept 11464 B, reduce-scatters 21, grads bitwise
+zero3 wrapper before parametrize: 21/20, kept 11464 B, reduce-scatters 21, grads bitwise
+zero3 fsdptag full: 21/20, kept 11464 B, reduce-scatters 21, grads bitwise
+zero3 fsdptag selective: 21/20, kept 22472 B, reduce-scatters 21, grads bitwise""")
 
 
 def test_zero2_keeps_no_more_than_fsdp2(results):
