@@ -274,6 +274,7 @@ def checkpoint_context_fn(base=None, *, policy_factory: Callable[[], Any] | None
 # ---------------------------------------------------------------- apply_ac
 
 _AC_CONTEXT_FN = "_fsdptag_ac_context_fn"  # a checkpointed block's context_fn, in its __dict__
+_AC_FULL = "_fsdptag_ac_full"  # full AC: plain checkpoint where that keeps zero2 gathered
 
 
 def _checkpointed_forward(cls: type) -> dict:
@@ -282,9 +283,25 @@ def _checkpointed_forward(cls: type) -> dict:
         state = module_state(self)
         if state is not None and state.buckets:  # the gather scope must be inside the region: Note [Buckets]
             fn = scoped(state.buckets, fn)
+        if self.__dict__.get(_AC_FULL) and _zero2_gathers_kept(self):
+            return checkpoint(fn, *args, use_reentrant=False, **kwargs)
         return checkpoint(fn, *args, use_reentrant=False, context_fn=self.__dict__[_AC_CONTEXT_FN], **kwargs)
 
     return {"forward": forward}
+
+
+def _zero2_gathers_kept(block: nn.Module) -> bool:
+    """Whether plain checkpointing of ``block`` re-gathers nothing in its recompute: it is
+    parametrized and each of its zero2 parameters that all-gathers is kept for the
+    recompute, in a bucket rooted in the block or alone (Note [zero2 kept until
+    backward]). Otherwise (a block inside a bucket root, TP parameters gathered alone)
+    full AC runs as a selective checkpoint whose policy saves the zero2 all-gathers."""
+    states = [s for s in map(module_state, block.modules()) if s is not None]
+    own = {id(b) for s in states for b in s.buckets}
+    return bool(states) and all(
+        id(g.bucket) in own if g.bucket is not None
+        else g.keeper is not None or g.tag.reshard_after_forward or not g.collective
+        for s in states for g in s.params.values())
 
 
 def apply_ac(
@@ -298,7 +315,9 @@ def apply_ac(
     """Checkpoint ``model``'s blocks with fsdptag's tagged policy, torchtitan style.
 
     ``mode``: ``"none"``, ``"full"`` (recompute everything but zero2 gathered
-    parameters) or ``"selective"``: without ``layer_every``, op-level SAC saving
+    parameters: plain non-reentrant checkpointing where fsdptag keeps the block's zero2
+    gathers for the recompute, Note [zero2 kept until backward]; else a selective
+    checkpoint that saves them) or ``"selective"``: without ``layer_every``, op-level SAC saving
     ``save_ops`` (default :data:`DEFAULT_SAVE_OPS`, every second ``mm``
     recomputed); with ``layer_every=N``, full AC on every Nth block (blocks
     N-1, 2N-1, ...), torchtitan's layer-selective AC. ``blocks`` defaults to the
@@ -313,7 +332,8 @@ def apply_ac(
     """
     mode, base, blocks = _parse_ac(model, mode, blocks, save_ops, layer_every)
     if mode is not ACMode.NONE:
-        checkpoint_blocks(blocks, lambda: checkpoint_context_fn(base), layer_every)
+        checkpoint_blocks(blocks, lambda: checkpoint_context_fn(base), layer_every,
+                          full=mode is ACMode.FULL or layer_every is not None)
     return model
 
 
@@ -354,7 +374,8 @@ def _parse_ac(model, mode, blocks, save_ops, layer_every):
 
 
 def checkpoint_blocks(
-    blocks: Sequence[nn.Module], make_context_fn: Callable[[], Callable], layer_every: int | None = None
+    blocks: Sequence[nn.Module], make_context_fn: Callable[[], Callable], layer_every: int | None = None,
+    full: bool = False,
 ) -> None:
     """Checkpoint every ``layer_every``-th of ``blocks`` (all by default) with ``make_context_fn()``.
 
@@ -366,4 +387,5 @@ def checkpoint_blocks(
         if (i + 1) % every:
             continue
         block.__dict__[_AC_CONTEXT_FN] = make_context_fn()
+        block.__dict__[_AC_FULL] = full
         swap_class(block, "Checkpointed", _checkpointed_forward)

@@ -106,7 +106,8 @@ MUTANTS = [
     Mutant("param-grad-sum", "per-parameter gradients reduced with sum instead of avg",
            "fsdptag/_param.py", '(Partial("avg"),)', '(Partial("sum"),)', (PARAM,)),
     Mutant("scope-ignores-ac-region", "bucket scope serves accesses from any checkpoint region",
-           "fsdptag/_bucket.py", "        if scope.region is not current_sac_region():\n            return None\n", "",
+           "fsdptag/_bucket.py", "if not self.scopes or self.scopes[-1].region is not current_sac_region():",
+           "if not self.scopes:",
            (CKPT,)),
 ]
 
