@@ -192,12 +192,14 @@ class _CollectiveSettler:
     a buffer the program no longer holds can still be alive: a real run's peak then
     counts it or not, run to run. At issue we count the references the collective
     layer took (``Tensor._use_count`` before and after the op); after the wait we give
-    it up to ``timeout_s`` to drop them. A fake process group takes none.
+    it up to ``timeout_s`` to drop them (a loaded machine can take a while; ``timeouts``
+    counts the settles that gave up). A fake process group takes none.
     """
 
-    def __init__(self, timeout_s: float = 0.05) -> None:
+    def __init__(self, timeout_s: float = 1.0) -> None:
         self.timeout_s = timeout_s
         self.pending: dict[int, tuple] = {}  # id(output) -> (refs on output, input, refs on input)
+        self.timeouts = 0  # settles that gave up: the program held more references than one
 
     def issue(self, func, args, kwargs):
         inp = innermost(args[0]) if args and isinstance(args[0], torch.Tensor) else None
@@ -224,7 +226,10 @@ class _CollectiveSettler:
         # `taken` any more means the collective layer has let go already.
         target = t._use_count() - taken
         deadline = time.perf_counter() + self.timeout_s
-        while target >= 1 and t._use_count() > target and time.perf_counter() < deadline:
+        while target >= 1 and t._use_count() > target:
+            if time.perf_counter() > deadline:
+                self.timeouts += 1
+                return
             time.sleep(0)
 
 
