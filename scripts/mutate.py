@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PARAM, CKPT, EST, REL = ("tests/test_parametrize.py", "tests/test_checkpoint.py",
-                         "tests/test_estimate.py", "tests/test_reliability.py")
+PARAM, CKPT, EST, REL, INTEG = ("tests/test_parametrize.py", "tests/test_checkpoint.py", "tests/test_estimate.py",
+                                "tests/test_reliability.py", "tests/test_integrations.py")
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ MUTANTS = [
            "            apply_to_tensors(self._cast, (args, kwargs))", (PARAM,)),
     Mutant("zero3-hooks-in-backward", "zero3 hooks also pushed inside backward (recompute)",
            "fsdptag/_reshard.py", "            and not in_backward()  # not a recompute inside backward\n", "",
-           (CKPT, REL)),
+           (INTEG,)),
     Mutant("hsdp-no-replicate-reduce", "bucket backward all-reduces over the replicate dim only for DDP (HSDP skips it)",
            "fsdptag/_bucket.py", "if bucket.replicate_group is not None:",
            "if bucket.replicate_group is not None and bucket.world == 1:", (PARAM,)),
@@ -109,6 +109,11 @@ MUTANTS = [
            "fsdptag/_bucket.py", "if not self.scopes or self.scopes[-1].region is not current_sac_region():",
            "if not self.scopes:",
            (CKPT,)),
+    Mutant("keep-never-found", "a checkpoint's recompute never finds the zero2 gather kept for it (re-gathers)",
+           "fsdptag/_keep.py", "        if not in_backward() or current_sac_region() is not None:\n            return None\n"
+           "        self.owned", "        return None\n        self.owned", (INTEG,)),
+    Mutant("full-ac-plain-everywhere", "full AC is a plain checkpoint even where zero2 gathers are not kept (TP alone)",
+           "fsdptag/_checkpoint.py", "return bool(states) and all(", "return bool(states) or all(", (CKPT,)),
 ]
 
 # tests/harness.py's report of ranks that went out of step (a collective timed out).

@@ -112,6 +112,23 @@ def _kept_bytes(mesh, reshard):
     return sorted(kept), sorted(peaks), sorted(backward_peaks)
 
 
+def _after_retained_backward(mesh):
+    """Bytes that storages made in backward still hold after ``backward(retain_graph=True)``:
+    the gradients, and for zero3 nothing of its re-gathers (each dropped after its last use
+    even though the graph, and so its saved handles, stays alive)."""
+    out = {}
+    for reshard in (False, True):
+        model = models.make_net()
+        fsdptag.parametrize(model, mesh, mode="fully_shard", reshard_after_forward=reshard)
+        tokens, targets = models.batch(0, mesh.size())
+        loss = models.loss_fn(model(tokens[mesh.get_local_rank()]), targets[mesh.get_local_rank()])
+        with LiveStorageTracker(settle_collectives=True) as mem:
+            loss.backward(retain_graph=True)
+        out[f"zero{3 if reshard else 2}"] = mem.live_bytes()
+        del loss
+    return out
+
+
 def _weights_backward_needs() -> int:
     """Bytes of the gathered params whose value backward uses: all but the embedding
     table and the linear biases (LayerNorm's backward saves its bias too)."""
@@ -684,6 +701,7 @@ def worker_2ranks():
             _collectives, mesh, "replicate", reshard, dp_rank=r, dp_size=2, bucket="block")
     cases["kept zero2"] = functools.partial(_kept_bytes, mesh, False)
     cases["kept zero3"] = functools.partial(_kept_bytes, mesh, True)
+    cases["after retained backward"] = functools.partial(_after_retained_backward, mesh)
     cases["bf16 vs fsdp2"] = functools.partial(_bf16_vs_fsdp2, mesh)
     cases["reduce bytes"] = functools.partial(_reduce_bytes, mesh)
     cases["state_dict"] = functools.partial(_state_dict_collectives, mesh)
@@ -786,6 +804,12 @@ def test_zero3_frees_gathered_params(two_ranks):
     assert peak2 - peak3 >= block, (peak2, peak3, block)
     assert_expected_inline(f"kept {kept2} / {kept3} B, forward peak {peak2} / {peak3} B, "
                            f"backward peak {bwd2} / {bwd3} B", """kept 24328 / 13064 B, forward peak 26496 / 20488 B, backward peak 17116 / 17116 B""")
+
+
+def test_zero3_regathers_are_dropped_after_their_last_use(two_ranks):
+    r = result(two_ranks, "after retained backward")
+    assert r["zero3"] == r["zero2"], r  # only gradients: nothing re-gathered is left
+    assert_expected_inline(str(r), """{'zero2': 6920, 'zero3': 6920}""")
 
 
 def test_bf16_matches_fsdp2(two_ranks):
