@@ -28,6 +28,12 @@ The SAC policy runs only in forward; the recompute replays decisions by per-op
 index. ``checkpoint_context_fn`` adds a check to that replay: each
 ``all_gather_into_tensor`` in the recompute must gather the same parameter (by
 FQN) as the forward did at that index, or fsdptag raises naming both.
+
+``apply_ac(model, "full")`` needs no policy where fsdptag keeps the block's zero2
+gathers for the recompute anyway (Note [zero2 kept until backward] in ``_keep.py``):
+there it is a plain non-reentrant checkpoint, which skips SAC's per-op dispatch and
+allows a second backward; elsewhere (blocks inside a bucket root, TP parameters
+gathered alone) it is this policy with ``base=None``.
 """
 
 from __future__ import annotations
