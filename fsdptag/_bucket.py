@@ -130,10 +130,9 @@ class Bucket:
         self.flat: torch.Tensor | None = None  # bound storage (Note [Bound storage])
         self.locals: tuple[torch.Tensor, ...] = ()
         self.scopes: list[_Scope] = []  # one per open root forward
-        self.prefetcher = root.prefetcher  # Note [Prefetch] in _prefetch.py
         # zero2 gathers kept for a checkpoint's recompute (Note [zero2 kept until backward])
         self.keeper = Keeper(root.training_forward) if not reshard and self.world > 1 else None
-        self.root = root
+        self.root = root  # its prefetcher (Note [Prefetch]) and scope-less recomputes
 
     # ------------------------------------------------------------ storage
 
@@ -210,6 +209,13 @@ class Bucket:
         """Whether a gather makes new tensors (a collective or a cast)."""
         return makes_copy(self.world > 1, self.param_dtype, self.params[0].module_info.stored.dtype)
 
+    @property
+    def prefetcher(self):
+        return self.root.prefetcher
+
+    def _handouts(self, outs) -> dict[ParamGather, torch.Tensor]:
+        return {p: p.on_tp_mesh(out) for p, out in zip(self.params, outs)}
+
     def gather(self, *, tagged: bool, prefetched: torch.Tensor | None = None) -> dict[ParamGather, torch.Tensor]:
         params = self.stored()
         reuse = how = None
@@ -219,8 +225,7 @@ class Bucket:
         if reuse is not None and prefetched is not None:
             c10d.wait_tensor(prefetched)
             prefetched = None
-        outs = _GatherBucket.apply(self, tagged, prefetched, reuse, how, *params)
-        return {p: p.on_tp_mesh(out) for p, out in zip(self.params, outs)}
+        return self._handouts(_GatherBucket.apply(self, tagged, prefetched, reuse, how, *params))
 
     def _scopeless_recompute(self, param: ParamGather, tagged: bool) -> torch.Tensor | None:
         """A checkpoint's recompute outside any gather scope of this bucket (the
@@ -235,8 +240,8 @@ class Bucket:
         key = (graph_task_id(), self, entry)
         served = self.root.recompute_served
         if served is None or served[0] != key:
-            outs = _GatherBucket.apply(self, tagged, None, entry, None, *params)
-            served = self.root.serve_recompute(key, {p: p.on_tp_mesh(o) for p, o in zip(self.params, outs)})
+            served = self.root.serve_recompute(
+                key, self._handouts(_GatherBucket.apply(self, tagged, None, entry, None, *params)))
         return served[1][param]
 
     def regather(self) -> dict[ParamGather, torch.Tensor]:
