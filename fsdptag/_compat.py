@@ -24,6 +24,8 @@ SAC's error texts (``SAC_REPLAY_ERRORS``)           to re-raise replay failures 
 ``testing._internal...fake_pg.FakeStore``           the estimator's ``fake`` process group
 ``StorageWeakRef``, ``UntypedStorage._expired`` /   the live-storage tracker: weak references
 ``_new_with_weak_ptr``                              to storages, checked without reviving them
+``torch._C._storage_Use_Count``                     the tracker's collective settle: who still
+                                                   holds a buffer (views hold only the storage)
 =================================================  ==========================================
 """
 
@@ -60,6 +62,7 @@ __all__ = [
     "set_alias_storage",
     "storage_expired",
     "storage_from_weak",
+    "storage_use_count",
     "top_saved_tensor_pack_hook",
     "unset_fake_temporarily",
 ]
@@ -70,6 +73,11 @@ StridedShard = _StridedShard
 apply_to_tensors = _apply_to_tensors
 storage_expired = torch.UntypedStorage._expired  # (weak cdata) -> bool
 storage_from_weak = torch.UntypedStorage._new_with_weak_ptr  # (weak cdata) -> storage
+
+
+def storage_use_count(t: torch.Tensor) -> int:
+    """Strong references to ``t``'s storage (one per tensor or view on it, plus ours)."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 # Substrings of the errors SAC raises when a recompute cannot be replayed from its
 # cache: an op the forward did not run, or a second backward through the region.

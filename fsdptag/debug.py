@@ -20,9 +20,9 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._compat import StorageWeakRef, in_backward, storage_expired, storage_from_weak
+from ._compat import StorageWeakRef, in_backward, storage_expired, storage_from_weak, storage_use_count
 from ._param import disable_tagging
-from ._tag import first_tag, innermost
+from ._tag import first_tag, innermost, wrapper_chain
 
 __all__ = ["CollectiveCounter", "CollectiveEvent", "LiveStorageTracker", "disable_tagging"]
 
@@ -181,56 +181,84 @@ def _storage_kind(func, out) -> str:
 
 
 _WAIT = _f.wait_tensor.default
+_WRAP = _f._wrap_tensor_autograd.default  # wraps an issued output: not a collective
 
 
 class _CollectiveSettler:
-    """After a functional collective's ``wait_tensor``, waits until the collective layer
-    has dropped its own references to the collective's input and output.
+    """Makes the collective layer's late frees invisible to the tracker.
 
-    gloo completes a collective's future on its worker thread and drops the work
-    (which holds the input and output tensors) a moment later, so right after the wait
-    a buffer the program no longer holds can still be alive: a real run's peak then
-    counts it or not, run to run. At issue we count the references the collective
-    layer took (``Tensor._use_count`` before and after the op); after the wait we give
-    it up to ``timeout_s`` to drop them (a loaded machine can take a while; ``timeouts``
-    counts the settles that gave up). A fake process group takes none.
+    gloo completes a collective's future on its worker thread and drops the work a
+    moment later; the work and its helpers hold the input and views of the output, so
+    right after the wait a buffer the program no longer holds can still be alive: a
+    real run's live bytes then count it or not, run to run. Two measures:
+
+    - The input: the collective gets a copy the tracker never sees (made inside the
+      mode, so untracked); the program's input lives exactly as long as the program
+      holds it.
+    - The output: the layer's references are counted at issue, by storage (each
+      tensor or view on a storage holds one). The process group's work registry keeps
+      the work, and so those views, alive until the wait: just before the real wait
+      the program's own references are the current count minus the layer's. After the
+      wait we poll until the count is down to the program's.
+
+    A fake process group takes none. ``timeouts`` counts settles that gave up after
+    ``timeout_s``: a broken assumption, not a loaded machine (the tests pin it at 0).
     """
 
-    def __init__(self, timeout_s: float = 1.0) -> None:
+    def __init__(self, timeout_s: float = 10.0) -> None:
         self.timeout_s = timeout_s
-        self.pending: dict[int, tuple] = {}  # id(output) -> (refs on output, input, refs on input)
-        self.timeouts = 0  # settles that gave up: the program held more references than one
+        self.pending: dict[int, int] = {}  # id(output) -> storage references the layer took
+        self.timeouts = 0
 
     def issue(self, func, args, kwargs):
-        inp = innermost(args[0]) if args and isinstance(args[0], torch.Tensor) else None
-        before = inp._use_count() if inp is not None else 0
+        if args and isinstance(args[0], torch.Tensor) and not func._schema.is_mutable:
+            args = (_detached_copy(args[0]),) + tuple(args[1:])  # (in-place ones write it)
         out = func(*args, **kwargs)
         if isinstance(out, torch.Tensor):
             inner = innermost(out)
-            taken_in = inp._use_count() - before if inp is not None else 0
-            self.pending[id(inner)] = (inner._use_count() - 1, inp if taken_in else None, taken_in)
+            # The program holds one new tensor on the output's storage; the rest is the layer's.
+            self.pending[id(inner)] = storage_use_count(inner) - storage_use_count(torch.empty(0))
         return out
 
     def wait(self, func, args, kwargs):
+        taken = self.pending.pop(id(innermost(args[0])), None)
+        if taken is None:
+            return func(*args, **kwargs)
+        t = innermost(args[0])
+        own = storage_use_count(t) - taken
         out = func(*args, **kwargs)
-        entry = self.pending.pop(id(innermost(args[0])), None)
-        if entry is not None:
-            taken_out, inp, taken_in = entry
-            self._settle(innermost(args[0]), taken_out)
-            if inp is not None:
-                self._settle(inp, taken_in)
-        return out
-
-    def _settle(self, t: torch.Tensor, taken: int) -> None:
-        # The program holds at least the tensor we look at: a count that cannot drop by
-        # `taken` any more means the collective layer has let go already.
-        target = t._use_count() - taken
+        own += _aliases(t, wrapper_chain(out), wrapper_chain(args[0]))
         deadline = time.perf_counter() + self.timeout_s
-        while target >= 1 and t._use_count() > target:
+        while storage_use_count(t) > own:
             if time.perf_counter() > deadline:
                 self.timeouts += 1
-                return
+                break
             time.sleep(0)
+        return out
+
+
+def _detached_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` with its own storage, rebuilt through tensor-subclass wrappers
+    (``__tensor_flatten__``) so the op dispatches to them as it would have."""
+    if type(t) is torch.Tensor or not hasattr(t, "__tensor_flatten__"):
+        return t.detach().clone()
+    names, ctx = t.__tensor_flatten__()
+    inner = {name: _detached_copy(getattr(t, name)) for name in names}
+    return type(t).__tensor_unflatten__(inner, ctx, t.size(), t.stride())
+
+
+def _aliases(t: torch.Tensor, out: list[torch.Tensor], arg: list[torch.Tensor]) -> int:
+    """The references to ``t``'s storage that the wait's new output tensors hold
+    (a tensor subclass's wrapper may alias the storage of what it wraps)."""
+    count = 0
+    for outer in out:
+        if any(outer is a for a in arg):
+            break  # the rest of the chain is the argument's: counted before the wait
+        try:
+            count += outer.untyped_storage()._cdata == t.untyped_storage()._cdata
+        except (RuntimeError, NotImplementedError):  # a wrapper without storage
+            pass
+    return count
 
 
 class LiveStorageTracker(TorchDispatchMode):
@@ -293,7 +321,7 @@ class LiveStorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self._settler is not None and func.namespace == "_c10d_functional":
+        if self._settler is not None and func.namespace == "_c10d_functional" and func is not _WRAP:
             out = (self._settler.wait if func is _WAIT else self._settler.issue)(func, args, kwargs)
         else:
             out = func(*args, **kwargs)
@@ -344,6 +372,11 @@ class LiveStorageTracker(TorchDispatchMode):
         for ident, (nbytes, kind, _) in before.items():
             out[kind] += nbytes - after.get(ident, (0,))[0]
         return dict(out)
+
+    @property
+    def settle_timeouts(self) -> int:
+        """Collective settles that gave up (0 unless an assumption of the settle broke)."""
+        return self._settler.timeouts if self._settler is not None else 0
 
     def live_bytes(self) -> int:
         """Bytes of the tracked storages still alive (after a ``gc.collect``)."""

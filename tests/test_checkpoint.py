@@ -133,6 +133,7 @@ def _kept_bytes(model, mesh, dp_rank):
     with LiveStorageTracker(track_inputs=True, settle_collectives=True) as mem:
         loss = F.cross_entropy(model(tokens).float().flatten(0, 1), tokens.flatten())
     at_end_of_forward = mem.live_bytes()
+    assert mem.settle_timeouts == 0
     loss.backward()
     del loss
     for p in model.parameters():

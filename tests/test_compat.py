@@ -140,3 +140,12 @@ def test_storage_weak_refs():
     del t
     gc.collect()
     assert compat.storage_expired(ref.cdata)
+
+
+def test_storage_use_count_sees_views():
+    t = torch.randn(8)
+    base = compat.storage_use_count(t)
+    view = t.detach()  # a new tensor on t's storage, holding no reference to t
+    assert compat.storage_use_count(t) == base + 1 and t._use_count() == 1
+    del view
+    assert compat.storage_use_count(t) == base

@@ -64,6 +64,7 @@ def _train_step(model, mesh, dp_rank):
         with LiveStorageTracker(track_inputs=True, settle_collectives=True) as mem:
             loss = F.cross_entropy(model(tokens).float().flatten(0, 1), tokens.flatten())
         at_forward_end = mem.live_bytes()
+        assert mem.settle_timeouts == 0
         loss.backward()
         del loss
     grads = {n.replace("_checkpoint_wrapped_module.", ""): p.grad.to_local().clone()

@@ -102,10 +102,12 @@ def _kept_bytes(mesh, reshard):
         with LiveStorageTracker(track_peak=True, settle_collectives=True) as mem:
             loss = models.loss_fn(model(tokens[mesh.get_local_rank()]), targets[mesh.get_local_rank()])
         kept.add(mem.live_bytes())
+        assert mem.settle_timeouts == 0
         peaks.add(mem.peak_bytes)
         with LiveStorageTracker(track_peak=True, settle_collectives=True) as mem:
             loss.backward()  # zero3: each re-gathered bucket dropped after its last use
         backward_peaks.add(mem.peak_bytes)
+        assert mem.settle_timeouts == 0
         del loss
         for p in model.parameters():
             p.grad = None
@@ -125,6 +127,7 @@ def _after_retained_backward(mesh):
         with LiveStorageTracker(settle_collectives=True) as mem:
             loss.backward(retain_graph=True)
         out[f"zero{3 if reshard else 2}"] = mem.live_bytes()
+        assert mem.settle_timeouts == 0
         del loss
     return out
 
