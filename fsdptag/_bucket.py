@@ -55,12 +55,19 @@ Note [Bound storage]
 bucket found unbound at gather time (a parameter replaced some other way) packs
 the shards with ``cat`` instead: slower, same result. Rebinding never happens
 during a gather, so a checkpoint region's forward and recompute see the same state.
+
+torch 2.13's ``torch.compile`` cannot take DTensor parameters whose local tensors
+share one storage (fakeifying the second fails: docs/compile.md has the
+reproduction). So when dynamo starts compiling anything in the process, every live
+bucket unbinds for good (``unbind_for_compile``): each shard gets its own storage
+and the eager path packs with ``cat``. Eager-only programs never pay this.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator
 
@@ -69,7 +76,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate
 
 from ._api import MixedPrecisionPolicy
-from ._compat import contiguous_strides, current_sac_region, graph_task_id, in_backward
+from ._compat import contiguous_strides, current_sac_region, graph_task_id, in_backward, on_compile_start
 from ._keep import KeptGather, Keeper
 from ._param import ParamGather, makes_copy
 from ._tag import FSDPTag, FSDPTaggedTensor, check_unchanged, mark_gathered
@@ -77,7 +84,7 @@ from ._tag import FSDPTag, FSDPTaggedTensor, check_unchanged, mark_gathered
 if TYPE_CHECKING:
     from ._state import RootState
 
-__all__ = ["Bucket", "open_scopes", "scoped"]
+__all__ = ["Bucket", "open_scopes", "scoped", "watch_compiles"]
 
 c10d = torch.ops._c10d_functional
 
@@ -133,6 +140,9 @@ class Bucket:
         # zero2 gathers kept for a checkpoint's recompute (Note [zero2 kept until backward])
         self.keeper = Keeper(root.training_forward) if not reshard and self.world > 1 else None
         self.root = root  # its prefetcher (Note [Prefetch]) and scope-less recomputes
+        self.compiled = False  # torch.compile seen: stays unbound (Note [Bound storage])
+        _LIVE.add(self)
+        watch_compiles()
 
     # ------------------------------------------------------------ storage
 
@@ -141,6 +151,8 @@ class Bucket:
         buffer and point each parameter's local tensor at its slot."""
         if params is None:
             params = self.stored()
+        if self.compiled:
+            return
         shards = [p._local_tensor for p in params]
         if len({(s.dtype, s.device) for s in shards}) != 1:
             self.flat, self.locals = None, ()  # mixed after a user's .to(): stay unbound
@@ -155,6 +167,17 @@ class Bucket:
         for p, view in zip(params, views):
             p._local_tensor = view
         self.flat, self.locals = flat, tuple(views)
+
+    def unbind_for_compile(self) -> None:
+        """Give each stored shard its own storage, from now on (Note [Bound storage])."""
+        self.compiled = True
+        if self.flat is None:
+            return
+        with torch.no_grad():
+            for p in self.stored():
+                if any(p._local_tensor is v for v in self.locals):
+                    p._local_tensor = p._local_tensor.clone()
+        self.flat, self.locals = None, ()
 
     def stored(self) -> list[DTensor]:
         """The stored parameters, in slot order."""
@@ -371,3 +394,18 @@ def _unpad(bucket: Bucket, slot: _Slot, piece: torch.Tensor) -> torch.Tensor:
     p = piece.view(bucket.world * slot.padded_rows, *slot.rest)
     return p.narrow(0, 0, slot.rows) if p.shape[0] != slot.rows else p
 
+
+
+_LIVE: weakref.WeakSet[Bucket] = weakref.WeakSet()
+
+
+def _unbind_all(_args) -> None:
+    for bucket in list(_LIVE):
+        bucket.unbind_for_compile()
+
+
+def watch_compiles() -> None:
+    """Unbind every live bucket when dynamo starts compiling (Note [Bound storage]);
+    idempotent, and cheap enough for every root forward (``torch._dynamo.reset``
+    forgets the callback)."""
+    on_compile_start(_unbind_all)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import warnings
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -50,8 +51,8 @@ from ._api import ACMode
 from ._bucket import scoped
 from ._blocks import find_blocks
 from ._class_swap import swap_class, user_class
-from ._compat import SACCachedMode, SACCachingMode, is_sac_replay_error
-from ._state import module_state
+from ._compat import SACCachedMode, SACCachingMode, is_compiling, is_sac_replay_error
+from ._state import drop_pregathered, module_state, pregather
 from ._tag import first_tag, get_fsdp_tag
 
 aten = torch.ops.aten
@@ -283,9 +284,38 @@ _AC_CONTEXT_FN = "_fsdptag_ac_context_fn"  # a checkpointed block's context_fn, 
 _AC_FULL = "_fsdptag_ac_full"  # full AC: plain checkpoint where that keeps zero2 gathered
 
 
+_FULL_AC_COMPILED = (
+    "fsdptag: a block under full activation checkpointing (apply_ac 'full', or "
+    "layer_every) runs eagerly inside torch.compile: compiled, torch 2.13's AOT autograd "
+    "saves a DeviceMesh for backward as if it were a tensor (docs/compile.md). "
+    "apply_ac(model, 'selective') compiles."
+)
+
+
+_warned_full_compiled = [False]
+
+
+@torch._dynamo.disable
+def _eagerly(forward, block, *args, **kwargs):
+    """Note [Compiled gathers]: full AC blocks fall back to eager, saying so once."""
+    if not _warned_full_compiled[0]:
+        _warned_full_compiled[0] = True
+        warnings.warn(_FULL_AC_COMPILED, stacklevel=2)
+    return forward(block, *args, **kwargs)
+
+
 def _checkpointed_forward(cls: type) -> dict:
     def forward(self, *args, **kwargs):
         fn = functools.partial(cls.forward, self)
+        if is_compiling():  # Note [Compiled gathers]
+            if self.__dict__.get(_AC_FULL):
+                return _eagerly(forward, self, *args, **kwargs)
+            gathers = pregather(self)
+            try:
+                return checkpoint(fn, *args, use_reentrant=False, context_fn=self.__dict__[_AC_CONTEXT_FN],
+                                  **kwargs)
+            finally:
+                drop_pregathered(gathers)
         state = module_state(self)
         if state is not None and state.buckets:  # the gather scope must be inside the region: Note [Buckets]
             fn = scoped(state.buckets, fn)

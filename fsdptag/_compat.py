@@ -24,6 +24,8 @@ SAC's error texts (``SAC_REPLAY_ERRORS``)           to re-raise replay failures 
 ``testing._internal...fake_pg.FakeStore``           the estimator's ``fake`` process group
 ``StorageWeakRef``, ``UntypedStorage._expired`` /   the live-storage tracker: weak references
 ``_new_with_weak_ptr``                              to storages, checked without reviving them
+``_dynamo.callback_handler`` start callbacks       unbinding bucket storage before dynamo
+                                                   fakeifies parameters (Note [Bound storage])
 ``torch._C._storage_Use_Count``                     the tracker's collective settle: who still
                                                    holds a buffer (views hold only the storage)
 =================================================  ==========================================
@@ -32,6 +34,7 @@ SAC's error texts (``SAC_REPLAY_ERRORS``)           to re-raise replay failures 
 from __future__ import annotations
 
 import torch
+import torch._dynamo  # parametrize's DTensor ops import it anyway
 from torch._prims_common import make_contiguous_strides_for
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
@@ -57,6 +60,8 @@ __all__ = [
     "current_sac_region",
     "graph_task_id",
     "in_backward",
+    "is_compiling",
+    "on_compile_start",
     "is_sac_replay_error",
     "others_saved_tensor_hooks_active",
     "set_alias_storage",
@@ -71,8 +76,16 @@ SACCachingMode = _CachingTorchDispatchMode  # SAC's forward mode (runs the polic
 SACCachedMode = _CachedTorchDispatchMode  # SAC's recompute mode (replays by op index)
 StridedShard = _StridedShard
 apply_to_tensors = _apply_to_tensors
+is_compiling = torch.compiler.is_compiling  # public; here so the runtime has one source
 storage_expired = torch.UntypedStorage._expired  # (weak cdata) -> bool
 storage_from_weak = torch.UntypedStorage._new_with_weak_ptr  # (weak cdata) -> storage
+
+
+def on_compile_start(fn) -> None:
+    """Call ``fn(args)`` whenever dynamo starts compiling (once per ``fn``)."""
+    handler = torch._dynamo.callback_handler
+    if fn not in handler.start_callbacks:
+        handler.register_start_callback(fn)
 
 
 def storage_use_count(t: torch.Tensor) -> int:

@@ -18,6 +18,30 @@ bucket is served by the bucket instead while its root's ``forward`` runs (Note
 
 Because ``state_dict()`` and optimizers read ``module._parameters`` directly,
 they see only the stored DTensors: no collective, no tagged tensor.
+
+Note [Compiled gathers]
+-----------------------
+Inside ``torch.compile`` (``torch.compiler.is_compiling()``) the eager runtime
+steps aside: no buckets, scopes, prefetch, zero3 saved-tensor hooks or tags; the
+root's hooks only cast inputs. Each parameter is gathered in the graph, untagged
+(``gather_in_graph``: the same ``redistribute`` with the dtype cast, so the
+values are bitwise those of eager), SimpleFSDP style:
+
+* zero3: the gather runs in a checkpoint region whose policy recomputes
+  everything, so the compiled backward re-gathers (in eager this frees nothing,
+  see the README; compiled, the partitioner honours it).
+* zero2 under ``apply_ac``: provenance by construction. A checkpointed block's
+  zero2 parameters are gathered *before* its checkpoint region opens
+  (``pregather`` in ``_state.py``) and read from ``ParamGather.pregathered``
+  inside it, so the region gets them as inputs: the compiled backward never
+  re-gathers, and the user's policy sees only the region's own ops (TP
+  collectives, activation casts), as in eager.
+* Full AC in compiled code is refused with an error: torch 2.13's AOT autograd
+  saves a ``DeviceMesh`` for backward as if it were a tensor (docs/compile.md).
+
+A checkpoint fsdptag did not open (a user's own, Hugging Face's) sees the
+gathers inside its region in compiled code, and recomputes them: the eager
+Note [zero2 kept until backward] has no compiled counterpart yet.
 """
 
 from __future__ import annotations
@@ -33,9 +57,10 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.placement_types import Placement
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ._api import MixedPrecisionPolicy
-from ._compat import contiguous_strides
+from ._compat import contiguous_strides, is_compiling
 from ._keep import KeptGather, Keeper, ServeAllGather
 from ._tag import FSDPTag, alias, check_unchanged, refuse_in_place, tag_shard, untag
 
@@ -125,6 +150,15 @@ class ParamModuleInfo:
         yield from zip(self.shared_modules, self.shared_names)
 
 
+def _recompute_all_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_RECOMPUTE
+
+
+def _recompute_everything():
+    """zero3 in compiled code: the compiler re-gathers in backward (SimpleFSDP's regional AC)."""
+    return create_selective_checkpoint_contexts(_recompute_all_policy)
+
+
 class ParamGather:
     """Turns one stored (sharded) parameter into the gathered tensor compute uses;
     see Note [Parametrization]."""
@@ -161,6 +195,7 @@ class ParamGather:
         self.stride = contiguous_strides(shape)
         self.handouts = root.handouts  # the root's check of per-parameter handouts
         self.bucket: Bucket | None = None  # set when bucketed (Note [Buckets])
+        self.pregathered: torch.Tensor | None = None  # Note [Compiled gathers]
         # zero2 gathers kept for a checkpoint's recompute (Note [zero2 kept until backward])
         self.keeper = (Keeper(root.training_forward)
                        if not tag.reshard_after_forward and self.collective and tp_mesh is None else None)
@@ -173,6 +208,8 @@ class ParamGather:
         """What ``module.<name>`` returns, given the module's stored parameter."""
         if not flags.active:
             return stored
+        if is_compiling():
+            return self.traced(stored)
         if self.bucket is not None:
             gathered = self.bucket.lookup(self, flags.tagging)
             if gathered is not None:
@@ -223,6 +260,18 @@ class ParamGather:
             return self.on_tp_mesh(alias(full))
         out = self.on_tp_mesh(untag(full) if tagged else full)
         return refuse_in_place(out) if self.tp_mesh is not None else out
+
+    def traced(self, stored: DTensor) -> torch.Tensor:
+        """The gather inside ``torch.compile``d code (Note [Compiled gathers])."""
+        copies = self.copies(stored)
+        if copies and self.tag.reshard_after_forward:
+            return checkpoint(self.gather_in_graph, stored, use_reentrant=False,
+                              context_fn=_recompute_everything)
+        return self.gather_in_graph(stored)
+
+    def gather_in_graph(self, stored: DTensor) -> torch.Tensor:
+        """The untagged gather compiled code runs (Note [Compiled gathers])."""
+        return self._gather(stored, False, self.copies(stored))
 
     def regather(self) -> dict[ParamGather, torch.Tensor]:
         """A fresh tagged gather, as the zero3 hooks re-gather (Note [zero3 by saved-tensor hooks])."""

@@ -37,14 +37,14 @@ import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
 from ._api import MixedPrecisionPolicy
-from ._bucket import Bucket, scoped
+from ._bucket import Bucket, scoped, watch_compiles
 from ._class_swap import swap_class
-from ._compat import apply_to_tensors, at_backward_end, in_backward
+from ._compat import apply_to_tensors, at_backward_end, in_backward, is_compiling
 from ._param import Handouts, ParamGather
 from ._prefetch import Prefetcher
 from ._reshard import Zero3SavedTensorHooks
 
-__all__ = ["ModuleState", "RootState", "module_state"]
+__all__ = ["ModuleState", "RootState", "drop_pregathered", "module_state", "pregather"]
 
 _STATE = "_fsdptag"  # a parametrized module's ModuleState, in its __dict__
 
@@ -94,6 +94,9 @@ class RootState:
         ]
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
+        if is_compiling():  # Note [Compiled gathers]: the compiler runs the gathers
+            return apply_to_tensors(self._cast, (args, kwargs)) if self.cast_dtype is not None else None
+        watch_compiles()  # after a torch._dynamo.reset (Note [Bound storage])
         self._errors_at_entry.append(sys.exc_info()[1])
         self._training.append(torch.is_grad_enabled() and not torch.is_inference_mode_enabled())
         if not in_backward():
@@ -113,6 +116,8 @@ class RootState:
         return x.to(self.cast_dtype) if x.is_floating_point() else x
 
     def _post_forward(self, module: nn.Module, args: tuple, output) -> None:
+        if is_compiling():
+            return
         # nn.Module runs an always-called hook from its `except` clause when forward
         # raised: then the exception being handled is a new one.
         raised = sys.exc_info()[1] is not self._errors_at_entry.pop()
@@ -140,6 +145,27 @@ def module_state(module: nn.Module) -> ModuleState | None:
     return module.__dict__.get(_STATE)
 
 
+def pregather(block: nn.Module) -> list[ParamGather]:
+    """In compiled code, gather ``block``'s zero2 parameters now, before the caller
+    opens its checkpoint region; the caller hands the list to :func:`drop_pregathered`
+    after it (Note [Compiled gathers]). Plain loops: dynamo traces them."""
+    gathers = []
+    for m in block.modules():
+        state = module_state(m)
+        if state is None:
+            continue
+        for g in state.params.values():
+            if not g.tag.reshard_after_forward and g.copies(g.module_info.stored):
+                g.pregathered = g.gather_in_graph(g.module_info.stored)
+                gathers.append(g)
+    return gathers
+
+
+def drop_pregathered(gathers: list[ParamGather]) -> None:
+    for g in gathers:
+        g.pregathered = None
+
+
 def attach(module: nn.Module, state: ModuleState) -> None:
     """Record ``state`` on ``module`` and give it the generated class its parts need:
     a gathering property per parameter name, and a bucket scope for a bucket root."""
@@ -156,7 +182,10 @@ def attach(module: nn.Module, state: ModuleState) -> None:
 
 def _access(module: nn.Module, name: str) -> torch.Tensor:
     try:
-        return module.__dict__[_STATE].params[name](module._parameters[name])
+        gather = module.__dict__[_STATE].params[name]
+        if gather.pregathered is not None:  # compiled: not even the stored one (Note [Compiled gathers])
+            return gather.pregathered
+        return gather(module._parameters[name])
     except AttributeError as e:
         # nn.Module.__getattr__ would swallow it and hand out the stored shard instead.
         raise RuntimeError(f"fsdptag: gathering {name!r} of {type(module).__name__} failed: {e!r}") from e
@@ -199,6 +228,8 @@ def _bucket_root_methods(cls: type) -> dict:
     ``_apply`` (``to_empty``, ``to``) that rebinds their storage (Note [Bound storage])."""
 
     def forward(self, *args, **kwargs):
+        if is_compiling():  # Note [Compiled gathers]: no scopes in compiled code
+            return cls.forward(self, *args, **kwargs)
         return scoped(self.__dict__[_STATE].buckets, functools.partial(cls.forward, self))(*args, **kwargs)
 
     def _apply(self, fn, *args, **kwargs):

@@ -149,3 +149,17 @@ def test_storage_use_count_sees_views():
     assert compat.storage_use_count(t) == base + 1 and t._use_count() == 1
     del view
     assert compat.storage_use_count(t) == base
+
+
+def test_compile_start_callback_runs_before_tracing():
+    torch._dynamo.reset()
+    seen = []
+
+    def on_start(args):
+        seen.append(compat.is_compiling())
+
+    compat.on_compile_start(on_start)
+    compat.on_compile_start(on_start)  # once per function
+    torch.compile(lambda x: x + 1, backend="eager")(torch.ones(2))
+    assert seen == [True] and not compat.is_compiling()
+    torch._dynamo.reset()
