@@ -295,7 +295,7 @@ _FULL_AC_COMPILED = (
 _warned_full_compiled = [False]
 
 
-@torch._dynamo.disable
+@torch.compiler.disable
 def _eagerly(forward, block, *args, **kwargs):
     """Note [Compiled gathers]: full AC blocks fall back to eager, saying so once."""
     if not _warned_full_compiled[0]:

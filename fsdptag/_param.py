@@ -36,8 +36,10 @@ values are bitwise those of eager), SimpleFSDP style:
   inside it, so the region gets them as inputs: the compiled backward never
   re-gathers, and the user's policy sees only the region's own ops (TP
   collectives, activation casts), as in eager.
-* Full AC in compiled code is refused with an error: torch 2.13's AOT autograd
+* Full AC blocks run eagerly (one warning): compiled, torch 2.13's AOT autograd
   saves a ``DeviceMesh`` for backward as if it were a tensor (docs/compile.md).
+* TP parameters are refused with a clear error (their gradients cross the
+  compiled boundary as plain tensors and DTensor's backward fails).
 
 A checkpoint fsdptag did not open (a user's own, Hugging Face's) sees the
 gathers inside its region in compiled code, and recomputes them: the eager
@@ -159,6 +161,15 @@ def _recompute_everything():
     return create_selective_checkpoint_contexts(_recompute_all_policy)
 
 
+@torch.compiler.disable  # runs (and raises) eagerly: a raise traced by dynamo would fall back to eager
+def _refuse_compiled_tp(fqn: str) -> None:
+    raise NotImplementedError(
+        f"fsdptag: torch.compile with tensor parallelism is not supported yet ({fqn!r} is a TP "
+        "parameter): the gradient of a DTensor crossing the compiled block's boundary comes back "
+        "as a plain tensor in torch 2.13 (docs/compile.md). Run TP models eagerly."
+    )
+
+
 class ParamGather:
     """Turns one stored (sharded) parameter into the gathered tensor compute uses;
     see Note [Parametrization]."""
@@ -263,6 +274,8 @@ class ParamGather:
 
     def traced(self, stored: DTensor) -> torch.Tensor:
         """The gather inside ``torch.compile``d code (Note [Compiled gathers])."""
+        if self.tp_mesh is not None:
+            _refuse_compiled_tp(self.fqn)
         copies = self.copies(stored)
         if copies and self.tag.reshard_after_forward:
             return checkpoint(self.gather_in_graph, stored, use_reentrant=False,

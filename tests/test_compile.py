@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fsdptag
 from fsdptag.debug import CollectiveCounter
-from fsdptag.testing.llama import Llama
+from fsdptag.testing.llama import Llama, apply_tp
 
 from .harness import launch, result, run_cases
 from .test_checkpoint import CFG, _tokens
@@ -152,6 +152,21 @@ def _full_ac_runs_eager(mesh, dp_rank):
             sum(counters["graph_break"].values()))
 
 
+def _tp_refused():
+    """TP parameters under compile: a clear error at the first compiled gather."""
+    world = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = Llama(CFG)
+    apply_tp(model, world["tp"])
+    fsdptag.parametrize(model, world)
+    torch._dynamo.reset()
+    try:
+        _compile(model, "eager", "blocks")(_tokens(0))
+    except NotImplementedError as e:
+        return str(e)
+    return "no error"
+
+
 def worker():
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     dp_rank = mesh.get_local_rank()
@@ -159,6 +174,7 @@ def worker():
         "graph counts": functools.partial(_graph_counts, mesh, dp_rank),
         "numerics": functools.partial(_numerics, mesh, dp_rank),
         "full AC": functools.partial(_full_ac_runs_eager, mesh, dp_rank),
+        "TP refused": _tp_refused,
     })
 
 
@@ -190,3 +206,7 @@ def test_full_ac_blocks_run_eagerly_with_a_warning(results):
     same, warned, graph_breaks = result(results, "full AC")
     assert same and graph_breaks > 0
     assert len(warned) == 1 and "runs eagerly" in warned[0], warned
+
+
+def test_tp_under_compile_is_refused_clearly(results):
+    assert "torch.compile with tensor parallelism is not supported yet" in result(results, "TP refused")
