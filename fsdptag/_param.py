@@ -274,8 +274,6 @@ class ParamGather:
 
     def traced(self, stored: DTensor) -> torch.Tensor:
         """The gather inside ``torch.compile``d code (Note [Compiled gathers])."""
-        if self.tp_mesh is not None:
-            _refuse_compiled_tp(self.fqn)
         copies = self.copies(stored)
         if copies and self.tag.reshard_after_forward:
             return checkpoint(self.gather_in_graph, stored, use_reentrant=False,
@@ -284,6 +282,8 @@ class ParamGather:
 
     def gather_in_graph(self, stored: DTensor) -> torch.Tensor:
         """The untagged gather compiled code runs (Note [Compiled gathers])."""
+        if self.tp_mesh is not None:
+            _refuse_compiled_tp(self.fqn)
         return self._gather(stored, False, self.copies(stored))
 
     def regather(self) -> dict[ParamGather, torch.Tensor]:
