@@ -106,8 +106,8 @@ class CollectiveCounter(TorchDispatchMode):
         if spec is not None:
             kind, group_idx = spec
             group = _group_name(args[group_idx] if len(args) > group_idx else kwargs.get("group_name"))
-            # c10d's in-place all-gathers take (output, input); everything else input first.
-            data = args[1] if func.namespace == "c10d" and kind == "all_gather" else args[0]
+            # c10d's all-gathers and reduce-scatters take (output, input); the rest input first.
+            data = args[1] if func.namespace == "c10d" and kind != "all_reduce" else args[0]
             tag = first_tag(data)
             nbytes = _tensor_bytes(data)
             if kind == "all_gather":

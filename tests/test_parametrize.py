@@ -189,7 +189,9 @@ def _fsdp2_collectives(mesh):
     tokens, targets = models.batch(0, 2)
     with CollectiveCounter(mesh) as cc:
         models.loss_fn(model(tokens[0]), targets[0]).backward()
-    return cc.summary()
+    gathered = sum(e.nbytes for e in cc.events if e.phase == "forward" and e.kind == "all_gather")
+    reduced = sum(e.nbytes for e in cc.events if e.kind == "reduce_scatter")
+    return cc.summary(), gathered, reduced
 
 
 class _Reuse(nn.Module):
@@ -843,10 +845,14 @@ replicate bucket=block bf16/bf16: 6920""")
 
 def test_counter_sees_fsdp2(two_ranks):
     # FSDP2 groups: one per block + root; zero3 re-gathers the blocks (not the root) in backward.
-    assert_expected_inline(result(two_ranks, "fsdp2 collectives"), """\
+    summary, gathered, reduced = result(two_ranks, "fsdp2 collectives")
+    assert_expected_inline(summary, """\
 forward  all_gather dp x3
 backward all_gather dp x2
 backward reduce_scatter dp x3""")
+    # c10d's reduce-scatter takes (output, input): its bytes are the input's, the whole
+    # (padded) gradients, as many as the forward all-gathers' outputs (all fp32)
+    assert reduced == gathered > 0
 
 
 def test_bucket_gathers_a_reused_weight_once(two_ranks):
