@@ -103,10 +103,11 @@ def main() -> None:
         found = newest_checkpoint(args.checkpoint_dir)
         if found is not None:
             start, path = found
-            model_sd, optim_sd = get_state_dict(model, optim)
-            state = {"model": model_sd, "optim": optim_sd}
-            dcp.load(state, checkpoint_id=path)
-            set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            with fsdptag.disable_active_parametrization():  # name lookups would gather each parameter
+                model_sd, optim_sd = get_state_dict(model, optim)
+                state = {"model": model_sd, "optim": optim_sd}
+                dcp.load(state, checkpoint_id=path)
+                set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
             if rank == 0:
                 print(f"resumed from {path}")
 
@@ -121,14 +122,16 @@ def main() -> None:
         optim.zero_grad(set_to_none=True)
         bar.set_postfix(loss=f"{loss.item():.4f}", bwd_fsdp_ag=cc.count("backward", "all_gather", fsdp_tagged=True))
         if args.checkpoint_dir and (step + 1) % args.checkpoint_every == 0:
-            model_sd, optim_sd = get_state_dict(model, optim)
+            with fsdptag.disable_active_parametrization():
+                model_sd, optim_sd = get_state_dict(model, optim)
             dcp.save({"model": model_sd, "optim": optim_sd},
                      checkpoint_id=os.path.join(args.checkpoint_dir, f"step-{step + 1}"))
     if rank == 0:
         print(f"final loss {loss.item():.4f}" if args.steps > start else "nothing to train")
 
     if args.save_pretrained:
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        with fsdptag.disable_active_parametrization():
+            full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if rank == 0:
             model.save_pretrained(args.save_pretrained, state_dict=full)
             print(f"saved {args.save_pretrained} (from_pretrained reads it)")
