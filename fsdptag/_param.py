@@ -42,8 +42,9 @@ values are bitwise those of eager), SimpleFSDP style:
   compiled boundary as plain tensors and DTensor's backward fails).
 
 A checkpoint fsdptag did not open (a user's own, Hugging Face's) sees the
-gathers inside its region in compiled code, and recomputes them: the eager
-Note [zero2 kept until backward] has no compiled counterpart yet.
+gathers inside its region in compiled code and fails as full AC does
+(docs/compile.md); the eager Note [zero2 kept until backward] has no compiled
+counterpart yet.
 """
 
 from __future__ import annotations
