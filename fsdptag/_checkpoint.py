@@ -292,15 +292,15 @@ _FULL_AC_COMPILED = (
 )
 
 
-_warned_full_compiled = [False]
+@functools.cache
+def _warn_full_ac_compiled() -> None:
+    warnings.warn(_FULL_AC_COMPILED, stacklevel=3)
 
 
 @torch.compiler.disable
 def _eagerly(forward, block, *args, **kwargs):
     """Note [Compiled gathers]: full AC blocks fall back to eager, saying so once."""
-    if not _warned_full_compiled[0]:
-        _warned_full_compiled[0] = True
-        warnings.warn(_FULL_AC_COMPILED, stacklevel=2)
+    _warn_full_ac_compiled()
     return forward(block, *args, **kwargs)
 
 

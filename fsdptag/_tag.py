@@ -345,24 +345,15 @@ def first_tag(x: Any) -> FSDPTag | None:
     return get_fsdp_tag(x) if isinstance(x, torch.Tensor) else None
 
 
-def wrapper_chain(t: torch.Tensor) -> list[torch.Tensor]:
-    """``t`` and the tensors inside its DTensor / AsyncCollectiveTensor / FSDPTaggedTensor
-    wrappers, outermost first; the last one is plain."""
-    chain = [t]
+def innermost(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor inside DTensor / AsyncCollectiveTensor / FSDPTaggedTensor wrappers."""
     while True:
         if isinstance(t, FSDPTaggedTensor):
             t = t._elem
-            chain.append(t)
         inner = _peel(t)
         if inner is None:
-            return chain
+            return t
         t = inner
-        chain.append(t)
-
-
-def innermost(t: torch.Tensor) -> torch.Tensor:
-    """The plain tensor inside DTensor / AsyncCollectiveTensor / FSDPTaggedTensor wrappers."""
-    return wrapper_chain(t)[-1]
 
 
 def is_fsdp_tagged(t: Any) -> bool:

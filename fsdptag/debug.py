@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._compat import StorageWeakRef, in_backward, storage_expired, storage_from_weak, storage_use_count
 from ._param import disable_tagging
-from ._tag import first_tag, innermost, wrapper_chain
+from ._tag import first_tag, innermost
 
 __all__ = ["CollectiveCounter", "CollectiveEvent", "LiveStorageTracker", "disable_tagging"]
 
@@ -209,6 +209,7 @@ class _CollectiveSettler:
         self.timeout_s = timeout_s
         self.pending: dict[int, int] = {}  # id(output) -> storage references the layer took
         self.timeouts = 0
+        self._one = storage_use_count(torch.empty(0))  # a storage only its tensor holds
 
     def issue(self, func, args, kwargs):
         if args and isinstance(args[0], torch.Tensor) and not func._schema.is_mutable:
@@ -217,17 +218,16 @@ class _CollectiveSettler:
         if isinstance(out, torch.Tensor):
             inner = innermost(out)
             # The program holds one new tensor on the output's storage; the rest is the layer's.
-            self.pending[id(inner)] = storage_use_count(inner) - storage_use_count(torch.empty(0))
+            self.pending[id(inner)] = storage_use_count(inner) - self._one
         return out
 
     def wait(self, func, args, kwargs):
-        taken = self.pending.pop(id(innermost(args[0])), None)
+        t = innermost(args[0])
+        taken = self.pending.pop(id(t), None)
         if taken is None:
             return func(*args, **kwargs)
-        t = innermost(args[0])
         own = storage_use_count(t) - taken
-        out = func(*args, **kwargs)
-        own += _aliases(t, wrapper_chain(out), wrapper_chain(args[0]))
+        out = func(*args, **kwargs)  # (returns t itself, wrapped as args[0] was: no new reference)
         deadline = time.perf_counter() + self.timeout_s
         while storage_use_count(t) > own:
             if time.perf_counter() > deadline:
@@ -245,20 +245,6 @@ def _detached_copy(t: torch.Tensor) -> torch.Tensor:
     names, ctx = t.__tensor_flatten__()
     inner = {name: _detached_copy(getattr(t, name)) for name in names}
     return type(t).__tensor_unflatten__(inner, ctx, t.size(), t.stride())
-
-
-def _aliases(t: torch.Tensor, out: list[torch.Tensor], arg: list[torch.Tensor]) -> int:
-    """The references to ``t``'s storage that the wait's new output tensors hold
-    (a tensor subclass's wrapper may alias the storage of what it wraps)."""
-    count = 0
-    for outer in out:
-        if any(outer is a for a in arg):
-            break  # the rest of the chain is the argument's: counted before the wait
-        try:
-            count += outer.untyped_storage()._cdata == t.untyped_storage()._cdata
-        except (RuntimeError, NotImplementedError):  # a wrapper without storage
-            pass
-    return count
 
 
 class LiveStorageTracker(TorchDispatchMode):
