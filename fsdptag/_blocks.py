@@ -18,6 +18,8 @@ a block holding a ModuleList (experts)   the block only: its experts are inside 
 FSDP2 users wrap the same modules (``fully_shard`` per block, then the root), and
 torchtitan and Hugging Face checkpoint the same modules, so a bucket and a
 checkpointed region coincide: the region gathers its bucket once in forward.
+Any other module ``apply_ac`` checkpoints becomes a bucket root of its own (Note
+[Checkpointed bucket roots] in ``_bucket.py``).
 Pass ``blocks=`` to ``apply_ac`` or a callable ``bucket=`` to ``parametrize`` for
 another choice.
 """
@@ -26,7 +28,15 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-__all__ = ["find_blocks"]
+__all__ = ["AC_CONTEXT_FN", "find_blocks", "is_checkpointed"]
+
+AC_CONTEXT_FN = "_fsdptag_ac_context_fn"  # a block checkpointed by apply_ac: its context_fn, in its __dict__
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    """Whether ``fsdptag.apply_ac`` checkpointed ``module``: it is then a bucket root
+    (Note [Checkpointed bucket roots] in ``_bucket.py``)."""
+    return AC_CONTEXT_FN in module.__dict__
 
 
 def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -41,11 +41,27 @@ backward) and take that parameter from it.
 
 A scope also remembers the selective-checkpoint region it was opened in (the
 innermost SAC dispatch mode) and serves only accesses from that same region. When
-AC wraps a module *inside* a bucket root (say each block's feed-forward), the
+a region inside a bucket root (say each block's feed-forward) is checkpointed, the
 block's scope was opened outside that region and is closed by the time backward
 recomputes it; serving the region's forward from it would make forward and
 recompute issue different ops. Such accesses gather per parameter instead, in
-forward and recompute alike.
+forward and recompute alike. ``apply_ac`` avoids this altogether:
+
+Note [Checkpointed bucket roots]
+--------------------------------
+A module checkpointed by ``apply_ac`` (or ``checkpoint_blocks``) is its own bucket
+root, so a checkpointed region never makes a bucket gather twice in one forward
+(once for the enclosing root, once per parameter inside the region). Applied before
+``parametrize``, the module is simply one more root; applied after, each bucket
+rooted above it splits in two (``make_bucket_root`` in ``_state.py``): the
+module's parameters form a new bucket named after it, the rest stay with the old
+root, and both are bound afresh (the stored parameters stay the same objects, so an
+optimizer built before keeps working). Tied parameters also used outside the module
+stay put. With ``bucket="blocks"`` and AC on each block's feed-forward, a 2-block
+Llama gathers 5 buckets in forward (root, and per block the rest and its
+feed-forward) where it gathered 3 buckets plus 6 feed-forward weights alone.
+A user's own ``context_fn`` checkpoint inside a bucket root is not seen at
+``parametrize`` time and keeps the per-parameter rule above.
 
 Note [Bound storage]
 --------------------
@@ -112,6 +128,8 @@ class Bucket:
                  mp: MixedPrecisionPolicy, root: RootState) -> None:
         self.name = name
         self.params = params  # in slot order
+        self.dp_mesh, self.mp = dp_mesh, mp  # to build its parts (``part``)
+        self.owner: weakref.ref[torch.nn.Module] | None = None  # the bucket root module
         self.tag = FSDPTag(name, reshard, parts=tuple(p.tag for p in params))
         # Gather and reduce-scatter over the sharding dim (FSDP: the mesh; HSDP: dim 1),
         # all-reduce gradients over the replicate dim (HSDP: dim 0; DDP: the mesh, with
@@ -167,6 +185,21 @@ class Bucket:
         for p, view in zip(params, views):
             p._local_tensor = view
         self.flat, self.locals = flat, tuple(views)
+
+    def part(self, name: str, params: list[ParamGather]) -> Bucket:
+        """A new bucket of some of this one's ``params`` (in slot order), bound to their
+        stored parameters and serving them from now on (Note [Checkpointed bucket roots])."""
+        b = Bucket(name, self.tag.reshard_after_forward, params, self.dp_mesh, self.mp, self.root)
+        b.compiled = self.compiled
+        b.bind()
+        for g in params:
+            g.bucket = b
+        return b
+
+    def retire(self) -> None:
+        """Its parameters went to other buckets: forget them and the flat buffer."""
+        _LIVE.discard(self)
+        self.params, self.slots, self.flat, self.locals = [], [], None, ()
 
     def unbind_for_compile(self) -> None:
         """Give each stored shard its own storage, from now on (Note [Bound storage])."""

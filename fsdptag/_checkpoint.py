@@ -32,8 +32,9 @@ FQN) as the forward did at that index, or fsdptag raises naming both.
 ``apply_ac(model, "full")`` needs no policy where fsdptag keeps the block's zero2
 gathers for the recompute anyway (Note [zero2 kept until backward] in ``_keep.py``):
 there it is a plain non-reentrant checkpoint, which skips SAC's per-op dispatch and
-allows a second backward; elsewhere (blocks inside a bucket root, TP parameters
-gathered alone) it is this policy with ``base=None``.
+allows a second backward; elsewhere (TP parameters gathered alone, a tied weight
+also used outside the block: Note [Checkpointed bucket roots] makes every other
+checkpointed block a bucket root) it is this policy with ``base=None``.
 """
 
 from __future__ import annotations
@@ -49,10 +50,10 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
 from ._api import ACMode
 from ._bucket import scoped
-from ._blocks import find_blocks
+from ._blocks import AC_CONTEXT_FN, find_blocks
 from ._class_swap import swap_class, user_class
 from ._compat import SACCachedMode, SACCachingMode, is_compiling, is_sac_replay_error
-from ._state import drop_pregathered, module_state, pregather
+from ._state import drop_pregathered, make_bucket_root, module_state, pregather
 from ._tag import first_tag, get_fsdp_tag
 
 aten = torch.ops.aten
@@ -280,7 +281,7 @@ def checkpoint_context_fn(base=None, *, policy_factory: Callable[[], Any] | None
 
 # ---------------------------------------------------------------- apply_ac
 
-_AC_CONTEXT_FN = "_fsdptag_ac_context_fn"  # a checkpointed block's context_fn, in its __dict__
+_AC_CONTEXT_FN = AC_CONTEXT_FN
 _AC_FULL = "_fsdptag_ac_full"  # full AC: plain checkpoint where that keeps zero2 gathered
 
 
@@ -330,7 +331,7 @@ def _zero2_gathers_kept(block: nn.Module) -> bool:
     """Whether plain checkpointing of ``block`` re-gathers nothing in its recompute: it is
     parametrized and each of its zero2 parameters that all-gathers is kept for the
     recompute, in a bucket rooted in the block or alone (Note [zero2 kept until
-    backward]). Otherwise (a block inside a bucket root, TP parameters gathered alone)
+    backward]). Otherwise (a tied weight bucketed outside the block, TP parameters gathered alone)
     full AC runs as a selective checkpoint whose policy saves the zero2 all-gathers."""
     states = [s for s in map(module_state, block.modules()) if s is not None]
     own = {id(b) for s in states for b in s.buckets}
@@ -422,6 +423,7 @@ def checkpoint_blocks(
     for i, block in enumerate(blocks):
         if (i + 1) % every:
             continue
+        make_bucket_root(block)  # Note [Checkpointed bucket roots]
         block.__dict__[_AC_CONTEXT_FN] = make_context_fn()
         block.__dict__[_AC_FULL] = full
         swap_class(block, "Checkpointed", _checkpointed_forward)

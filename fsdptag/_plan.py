@@ -9,6 +9,7 @@ them) without touching the model, so a bad call raises with the model unchanged.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
@@ -19,7 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.placement_types import Placement
 
 from ._api import BucketPolicy, DataParallelMode, MixedPrecisionPolicy, ReshardPolicy
-from ._blocks import find_blocks
+from ._blocks import find_blocks, is_checkpointed
 from ._bucket import Bucket
 from ._class_swap import user_class
 from ._compat import StridedShard, concatenate_meshes
@@ -102,7 +103,9 @@ def _validate(model, mesh, mode, reshard_after_forward, mp_policy, shard_dim, bu
         raise ValueError(f"shard_dim={shard_dim!r} must be a non-negative int")
     reshard_of = _reshard_resolver(model, reshard_after_forward)
     is_root = _bucket_roots(bucket, model)
-    roots = {fqn: m for fqn, m in model.named_modules() if is_root(fqn, m)}
+    # A module apply_ac checkpointed is a bucket root too (Note [Checkpointed bucket roots]).
+    roots = {fqn: m for fqn, m in model.named_modules()
+             if is_root(fqn, m) or (bucket != "param" and is_checkpointed(m))}
 
     params = [(mfqn, m, n, p) for mfqn, m in model.named_modules()
               for n, p in m.named_parameters(recurse=False)]
@@ -164,6 +167,7 @@ def plan_buckets(plan: Plan, setting: _Setting) -> None:
                 name += f"[zero{3 if reshard else 2}]"
             b = Bucket(name, reshard, group, setting.dp_mesh, setting.mp, plan.root)
             b.bind([plan.sharded[g.fqn] for g in group])  # the new parameters only: the model is untouched
+            b.owner = weakref.ref(setting.bucket_roots[root])
             for g in group:
                 g.bucket = b
             buckets.append(b)

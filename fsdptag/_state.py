@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -44,7 +45,7 @@ from ._param import Handouts, ParamGather
 from ._prefetch import Prefetcher
 from ._reshard import Zero3SavedTensorHooks
 
-__all__ = ["ModuleState", "RootState", "drop_pregathered", "module_state", "pregather"]
+__all__ = ["ModuleState", "RootState", "drop_pregathered", "make_bucket_root", "module_state", "pregather"]
 
 _STATE = "_fsdptag"  # a parametrized module's ModuleState, in its __dict__
 
@@ -176,8 +177,67 @@ def attach(module: nn.Module, state: ModuleState) -> None:
         names = tuple(state.params)
         swap_class(module, "FSDPTag", lambda cls: _param_properties(names), key=names)
     if state.buckets:
-        swap_class(module, "Bucketed", _bucket_root_methods)
-        state.root.handles.append(module.register_load_state_dict_post_hook(_rebind_after_load))
+        _make_bucket_root_class(module)
+
+
+def _make_bucket_root_class(module: nn.Module) -> None:
+    swap_class(module, "Bucketed", _bucket_root_methods)
+    module_state(module).root.handles.append(module.register_load_state_dict_post_hook(_rebind_after_load))
+
+
+def make_bucket_root(module: nn.Module) -> None:
+    """Make ``module`` the bucket root of its parameters that a bucket rooted above it
+    gathers (Note [Checkpointed bucket roots] in ``_bucket.py``): each such bucket splits
+    in two, both bound afresh. Parameters also registered outside ``module`` (tied)
+    stay where they are; buckets rooted in or below ``module`` are untouched."""
+    states = [s for s in map(module_state, module.modules()) if s is not None]
+    inside_modules = {id(m) for m in module.modules()}
+    inside_buckets = {b for s in states for b in s.buckets}
+    moving: dict[Bucket, set[ParamGather]] = {}
+    for s in states:
+        for g in s.params.values():
+            if g.bucket is None or g.bucket in inside_buckets:
+                continue
+            if all(id(m) in inside_modules for m, _ in g.module_info.registrations()):
+                moving.setdefault(g.bucket, set()).add(g)
+    if not moving:
+        return
+    root = states[0].root
+    name = _fqn_of(module, next(iter(next(iter(moving.values())))))
+    new: list[Bucket] = []
+    for old, moved in moving.items():
+        suffix = old.name[old.name.index("["):] if "[" in old.name else ""
+        owner = old.owner() if old.owner is not None else None
+        rest = [g for g in old.params if g not in moved]
+        sub = old.part(name + suffix, [g for g in old.params if g in moved])
+        replaced = (old.part(old.name, rest),) if rest else ()
+        old.retire()
+        if owner is not None:
+            owner_state = module_state(owner)
+            owner_state.buckets = tuple(
+                b for o in owner_state.buckets for b in (replaced if o is old else (o,)))
+        root.buckets = [b for o in root.buckets for b in (replaced if o is old else (o,))] + [sub]
+        sub.owner = weakref.ref(module)
+        new.append(sub)
+    if root.prefetcher is not None:
+        root.prefetcher.next = {}  # the order names the old buckets
+    state = module_state(module)
+    if state is None:
+        attach(module, ModuleState(root, buckets=tuple(new)))
+    else:
+        had = bool(state.buckets)
+        state.buckets += tuple(new)
+        if not had:
+            _make_bucket_root_class(module)
+
+
+def _fqn_of(module: nn.Module, gather: ParamGather) -> str:
+    """``module``'s FQN in the model, read off one of its parameters' FQN."""
+    for rel, m in module.named_modules():
+        if m is gather.module_info.module:
+            rel_param = f"{rel}.{gather.module_info.name}" if rel else gather.module_info.name
+            return gather.fqn[: -len(rel_param) - 1]
+    raise AssertionError(f"{gather.fqn} is not under the module")
 
 
 def _access(module: nn.Module, name: str) -> torch.Tensor:

@@ -103,24 +103,38 @@ def _matrix(name, mesh, mode, *, dp_rank, tp_mesh=None, bucket="param"):
 
 
 def _inner_regions(mesh, dp_rank):
-    """AC on sub-modules of a bucket root (each block's feed-forward): the bucket is
-    gathered outside those regions, so inside them the parameters must be gathered
-    the same way in forward and in recompute (per parameter)."""
+    """AC on sub-modules of a bucket root (each block's feed-forward), applied after
+    and before parametrize: each checkpointed module is its own bucket root (Note
+    [Checkpointed bucket roots]), so no bucket gathers twice in a forward."""
     rows = {}
     for reshard in (False, True):
         reference = _step(_build(mesh, "fully_shard", reshard, bucket="blocks"), mesh, dp_rank)[1]
-        for ac in ("full", "selective"):
-            model = _build(mesh, "fully_shard", reshard, bucket="blocks")
-            fsdptag.apply_ac(model, ac, blocks=[b.feed_forward for b in model.layers])
-            try:
+        for order in ("after", "before"):
+            for ac in ("full", "selective"):
+                torch.manual_seed(0)
+                model = Llama(CFG)
+                model.init_weights()
+                if order == "before":
+                    fsdptag.apply_ac(model, ac, blocks=[b.feed_forward for b in model.layers])
+                fsdptag.parametrize(model, mesh, mode="fully_shard", reshard_after_forward=reshard,
+                                    mp_policy=MP, bucket="blocks")
+                stored = dict(model.named_parameters())
+                if order == "after":
+                    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)  # built before the split
+                    fsdptag.apply_ac(model, ac, blocks=[b.feed_forward for b in model.layers])
                 cc, grads = _step(model, mesh, dp_rank)
-            except RuntimeError as e:
-                rows[f"zero{3 if reshard else 2} {ac}"] = f"error: {e}"[:200]
-                continue
-            rows[f"zero{3 if reshard else 2} {ac}"] = {
-                "fwd": cc.count("forward", "all_gather"), "bwd": cc.count("backward", "all_gather"),
-                "bitwise": all(torch.equal(grads[k], reference[k]) for k in grads),
-            }
+                row = {
+                    "fwd": [e.fqn for e in cc.events if e.phase == "forward" and e.kind == "all_gather"],
+                    "bwd": [e.fqn for e in cc.events if e.phase == "backward" and e.kind == "all_gather"],
+                    "bitwise": all(torch.equal(grads[k], reference[k]) for k in grads),
+                    "same params": all(p is stored[n] for n, p in model.named_parameters()),
+                }
+                if order == "after":
+                    before = {n: p.to_local().clone() for n, p in model.named_parameters()}
+                    optim.step()
+                    row["optim steps"] = all(not torch.equal(p.to_local(), before[n])
+                                             for n, p in model.named_parameters())
+                rows[f"zero{3 if reshard else 2} {ac} {order}"] = row
     return rows
 
 
@@ -370,11 +384,27 @@ FSDP+TP/block zero3 layer   fwd  3  bwd  3""")
 
 def test_ac_inside_a_bucket_root(results):
     r = result(results, "inner regions")
-    assert all(isinstance(v, dict) and v["bitwise"] for v in r.values()), r
-    # 3 bucket gathers + the 6 feed-forward weights, which their regions gather per
-    # parameter; zero2 never re-gathers, zero3 re-gathers each once.
-    assert {k: (v["fwd"], v["bwd"]) for k, v in r.items()} == {
-        "zero2 full": (9, 0), "zero2 selective": (9, 0), "zero3 full": (9, 9), "zero3 selective": (9, 9)}
+    assert all(v["bitwise"] and v["same params"] and v.get("optim steps", True) for v in r.values()), r
+    # Each checkpointed feed-forward is a bucket of its own, in either order: 5 bucket
+    # gathers in forward (root; per block the rest and its feed-forward), each once.
+    # zero2 never re-gathers; zero3 re-gathers each bucket once.
+    first = r["zero2 full after"]["fwd"]
+    assert_expected_inline("\n".join(first), """\
+<root>
+layers.0
+layers.0.feed_forward
+layers.1
+layers.1.feed_forward""")
+    zero3_bwd = r["zero3 full after"]["bwd"]
+    assert_expected_inline("\n".join(zero3_bwd), """\
+<root>
+layers.1.feed_forward
+layers.1
+layers.0.feed_forward
+layers.0""")
+    for name, v in r.items():
+        assert v["fwd"] == first, name
+        assert v["bwd"] == ([] if name.startswith("zero2") else zero3_bwd), (name, v)
 
 
 def test_gradients_bitwise_equal_to_no_ac(results):
