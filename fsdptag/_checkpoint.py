@@ -32,9 +32,9 @@ FQN) as the forward did at that index, or fsdptag raises naming both.
 ``apply_ac(model, "full")`` needs no policy where fsdptag keeps the block's zero2
 gathers for the recompute anyway (Note [zero2 kept until backward] in ``_keep.py``):
 there it is a plain non-reentrant checkpoint, which skips SAC's per-op dispatch and
-allows a second backward; elsewhere (TP parameters gathered alone, a tied weight
-also used outside the block: Note [Checkpointed bucket roots] makes every other
-checkpointed block a bucket root) it is this policy with ``base=None``.
+allows a second backward; elsewhere (a tied weight also used outside the block:
+Note [Checkpointed bucket roots] makes every other checkpointed block a bucket
+root) it is this policy with ``base=None``.
 """
 
 from __future__ import annotations
@@ -331,7 +331,7 @@ def _zero2_gathers_kept(block: nn.Module) -> bool:
     """Whether plain checkpointing of ``block`` re-gathers nothing in its recompute: it is
     parametrized and each of its zero2 parameters that all-gathers is kept for the
     recompute, in a bucket rooted in the block or alone (Note [zero2 kept until
-    backward]). Otherwise (a tied weight bucketed outside the block, TP parameters gathered alone)
+    backward]). Otherwise (a tied weight bucketed outside the block)
     full AC runs as a selective checkpoint whose policy saves the zero2 all-gathers."""
     states = [s for s in map(module_state, block.modules()) if s is not None]
     own = {id(b) for s in states for b in s.buckets}

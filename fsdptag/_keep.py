@@ -28,8 +28,9 @@ selective-checkpoint policy        what backward needs)
 
 A parameter gathered alone (``bucket="param"``) keeps its all-gather output the
 same way (held by its handout's node); its recompute runs the same DTensor gather
-with the all-gather answered from it (:class:`ServeAllGather`). TP parameters gather
-again (their DTensor path is not replayed this way).
+with the all-gather answered from it (:class:`ServeAllGather`). A TP parameter's
+handout is a DTensor on the TP mesh whose local tensor is that all-gather output,
+so it is kept the same way.
 
 The recompute's gather still runs the bucket's autograd Function (returning views
 of the kept pieces), so a reentrant recompute, whose graph is the one backward

@@ -210,7 +210,7 @@ class ParamGather:
         self.pregathered: torch.Tensor | None = None  # Note [Compiled gathers]
         # zero2 gathers kept for a checkpoint's recompute (Note [zero2 kept until backward])
         self.keeper = (Keeper(root.training_forward)
-                       if not tag.reshard_after_forward and self.collective and tp_mesh is None else None)
+                       if not tag.reshard_after_forward and self.collective else None)
 
     @property
     def fqn(self) -> str:
@@ -252,8 +252,9 @@ class ParamGather:
             return out
         how = self.keeper.how_to_keep()
         out = self._gather(stored, tagged, copies)
-        if how is not None:  # the handout's storage is the all-gather output
-            self.keeper.keep(KeptGather((out,), [stored], self.keeper), how, out.grad_fn)
+        if how is not None:  # the handout's storage is the all-gather output (TP: its local tensor's)
+            local = out._local_tensor if isinstance(out, DTensor) else out
+            self.keeper.keep(KeptGather((local,), [stored], self.keeper), how, out.grad_fn)
         return out
 
     def _gather(self, stored: DTensor, tagged: bool, copies: bool) -> torch.Tensor:

@@ -138,6 +138,33 @@ def _inner_regions(mesh, dp_rank):
     return rows
 
 
+def _tp_alone_any_checkpointing(mesh, dp_rank):
+    """FSDP+TP parameters gathered alone (bucket="param") under plain checkpointing:
+    each zero2 all-gather output is kept for the recompute (Note [zero2 kept until
+    backward]), its TP-local tensor being the all-gather output."""
+    rows = {}
+    for reshard in (False, True):
+        reference = None
+        for how in ("none", "plain", "reentrant", "fsdptag full"):
+            model = _build(mesh, "fully_shard", reshard, tp_mesh=mesh["tp"])
+            if how in ("plain", "reentrant"):
+                for block in model.layers:
+                    forward = block.forward
+                    block.forward = functools.partial(
+                        lambda f, reentrant, *a: checkpoint(f, *a, use_reentrant=reentrant),
+                        forward, how == "reentrant")
+            elif how == "fsdptag full":
+                fsdptag.apply_ac(model, "full")
+            _step(model, mesh, dp_rank)  # warm-up: the second step must look the same
+            cc, grads = _step(model, mesh, dp_rank)
+            reference = reference or grads
+            rows[f"zero{3 if reshard else 2} {how}"] = (
+                f"{cc.count('forward', 'all_gather', fsdp_tagged=True)}/"
+                f"{cc.count('backward', 'all_gather', fsdp_tagged=True)}"
+                f"{'' if all(torch.equal(grads[k], reference[k]) for k in grads) else ' grads DIFFER'}")
+    return rows
+
+
 # ---------------------------------------------------------------- memory: (a) (b) (c)
 
 def _kept_bytes(model, mesh, dp_rank):
@@ -297,6 +324,7 @@ def worker_4ranks():
                                              dp_rank=dp_rank, tp_mesh=dp_tp["tp"], bucket="blocks"),
         "memory selective": functools.partial(_memory, dp_tp, dp_tp["tp"], dp_rank, "selective"),
         "memory full": functools.partial(_memory, dp_tp, dp_tp["tp"], dp_rank, "full"),
+        "tp alone": functools.partial(_tp_alone_any_checkpointing, dp_tp, dp_rank),
     })
 
 
@@ -405,6 +433,19 @@ layers.0""")
     for name, v in r.items():
         assert v["fwd"] == first, name
         assert v["bwd"] == ([] if name.startswith("zero2") else zero3_bwd), (name, v)
+
+
+def test_tp_parameters_alone_stay_gathered_under_any_checkpointing(results):
+    text = "\n".join(f"{k}: {v}" for k, v in result(results, "tp alone").items())
+    assert_expected_inline(text, """\
+zero2 none: 21/0
+zero2 plain: 21/0
+zero2 reentrant: 21/0
+zero2 fsdptag full: 21/0
+zero3 none: 21/20
+zero3 plain: 21/20
+zero3 reentrant: 21/20
+zero3 fsdptag full: 21/20""")
 
 
 def test_gradients_bitwise_equal_to_no_ac(results):

@@ -271,7 +271,8 @@ def _hf_llama(tie: bool = False):
 
 def _hf_gpt2():
     config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=32,
-                                     bos_token_id=0, eos_token_id=0, use_cache=False)
+                                     bos_token_id=0, eos_token_id=0, use_cache=False,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(config)
 
@@ -341,31 +342,40 @@ def _hf_train(model, dp_rank, *, reference: bool = False):
 
 def _hf_parity(mesh, dp_rank):
     """Losses and parameters after 3 AdamW steps: fsdptag vs one device (fp32) and vs
-    FSDP2 (bf16 params, fp32 reduction), zero2 and zero3, tied and untied."""
+    FSDP2 (bf16 params, fp32 reduction), zero2 and zero3: HF Llama tied and untied,
+    GPT-2 (Conv1D, tied)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy as FSDP2MP, fully_shard
 
     out = {}
-    for tie in (False, True):
-        for make in (_hf_llama, ) if not tie else (lambda: _hf_llama(tie=True),):
-            ref_losses, ref_params = _hf_train(make(), dp_rank, reference=True)
-            for reshard in (False, True):
-                z = f"zero{3 if reshard else 2}{' tied' if tie else ''}"
-                model = make()
-                fsdptag.parametrize(model, mesh, reshard_after_forward=reshard)
-                losses, params = _hf_train(model, dp_rank)
-                out[f"fp32 vs one device {z}"] = (
-                    max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
-                    models.max_rel_diff(params, ref_params))
-                mp2 = FSDP2MP(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-                ours, theirs = make(), make()
-                fsdptag.parametrize(ours, mesh, reshard_after_forward=reshard,
-                                    mp_policy=fsdptag.MixedPrecisionPolicy(torch.bfloat16, torch.float32))
-                for block in theirs.model.layers:
-                    fully_shard(block, mesh=mesh, mp_policy=mp2, reshard_after_forward=reshard)
-                fully_shard(theirs, mesh=mesh, mp_policy=mp2, reshard_after_forward=reshard)
-                (l1, p1), (l2, p2) = _hf_train(ours, dp_rank), _hf_train(theirs, dp_rank)
-                out[f"bf16 vs FSDP2 {z}"] = (max(abs(a - b) / abs(b) for a, b in zip(l1, l2)),
-                                             models.max_rel_diff(p1, p2))
+    for kind, make in (("llama", _hf_llama), ("llama tied", lambda: _hf_llama(tie=True)),
+                       ("gpt2 tied", _hf_gpt2)):  # GPT-2: Conv1D weights, tied embeddings
+        ref_losses, ref_params = _hf_train(make(), dp_rank, reference=True)
+        for reshard in (False, True):
+            z = f"zero{3 if reshard else 2} {kind}"
+            model = make()
+            fsdptag.parametrize(model, mesh, reshard_after_forward=reshard)
+            losses, params = _hf_train(model, dp_rank)
+            out[f"fp32 vs one device {z}"] = (
+                max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
+                models.max_rel_diff(params, ref_params))
+            if kind.startswith("gpt2"):  # FSDP2 fp32 differs from one device exactly as we do
+                theirs = make()
+                for _, block in find_blocks(theirs):
+                    fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+                fully_shard(theirs, mesh=mesh, reshard_after_forward=reshard)
+                l2, p2 = _hf_train(theirs, dp_rank)
+                out[f"fp32 vs FSDP2 {z}"] = (max(abs(a - b) / abs(b) for a, b in zip(losses, l2)),
+                                             models.max_rel_diff(params, p2))
+            mp2 = FSDP2MP(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            ours, theirs = make(), make()
+            fsdptag.parametrize(ours, mesh, reshard_after_forward=reshard,
+                                mp_policy=fsdptag.MixedPrecisionPolicy(torch.bfloat16, torch.float32))
+            for _, block in find_blocks(theirs):
+                fully_shard(block, mesh=mesh, mp_policy=mp2, reshard_after_forward=reshard)
+            fully_shard(theirs, mesh=mesh, mp_policy=mp2, reshard_after_forward=reshard)
+            (l1, p1), (l2, p2) = _hf_train(ours, dp_rank), _hf_train(theirs, dp_rank)
+            out[f"bf16 vs FSDP2 {z}"] = (max(abs(a - b) / abs(b) for a, b in zip(l1, l2)),
+                                         models.max_rel_diff(p1, p2))
     return out
 
 
@@ -437,11 +447,17 @@ def hf(tmp_path_factory):
 
 def test_hf_parity(hf):
     r = result(hf, "hf parity")
+    assert len(r) == 14, sorted(r)
     for name, (loss, params) in r.items():
-        if name.startswith("bf16") or not name.endswith("tied"):
+        if "FSDP2" in name or not name.endswith("tied"):
             # FSDP2: the same casts and reductions; one device: two ranks' gradients add
             # as the reference's two halves do.
             assert loss == 0.0 and params == 0.0, (name, loss, params)
+        elif "gpt2" in name:
+            # GPT-2's key bias has a gradient that is zero up to rounding (softmax ignores
+            # a per-query constant), which AdamW scales up to a full step: its value after
+            # 3 steps is rounding noise, for FSDP2 as for fsdptag (bitwise equal above).
+            assert loss <= 1e-6 and params <= 1e-3, (name, loss, params)
         else:  # the tied table's two gradients add in another order than the reference's
             assert loss <= 1e-6 and params <= 5e-6, (name, loss, params)
 
