@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import warnings
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -285,32 +284,10 @@ _AC_CONTEXT_FN = AC_CONTEXT_FN
 _AC_FULL = "_fsdptag_ac_full"  # full AC: plain checkpoint where that keeps zero2 gathered
 
 
-_FULL_AC_COMPILED = (
-    "fsdptag: a block under full activation checkpointing (apply_ac 'full', or "
-    "layer_every) runs eagerly inside torch.compile: compiled, torch 2.13's AOT autograd "
-    "saves a DeviceMesh for backward as if it were a tensor (docs/compile.md). "
-    "apply_ac(model, 'selective') compiles."
-)
-
-
-@functools.cache
-def _warn_full_ac_compiled() -> None:
-    warnings.warn(_FULL_AC_COMPILED, stacklevel=3)
-
-
-@torch.compiler.disable
-def _eagerly(forward, block, *args, **kwargs):
-    """Note [Compiled gathers]: full AC blocks fall back to eager, saying so once."""
-    _warn_full_ac_compiled()
-    return forward(block, *args, **kwargs)
-
-
 def _checkpointed_forward(cls: type) -> dict:
     def forward(self, *args, **kwargs):
         fn = functools.partial(cls.forward, self)
         if is_compiling():  # Note [Compiled gathers]
-            if self.__dict__.get(_AC_FULL):
-                return _eagerly(forward, self, *args, **kwargs)
             gathers = pregather(self)
             try:
                 return checkpoint(fn, *args, use_reentrant=False, context_fn=self.__dict__[_AC_CONTEXT_FN],

@@ -30,21 +30,20 @@ values are bitwise those of eager), SimpleFSDP style:
 * zero3: the gather runs in a checkpoint region whose policy recomputes
   everything, so the compiled backward re-gathers (in eager this frees nothing,
   see the README; compiled, the partitioner honours it).
-* zero2 under ``apply_ac``: provenance by construction. A checkpointed block's
-  zero2 parameters are gathered *before* its checkpoint region opens
-  (``pregather`` in ``_state.py``) and read from ``ParamGather.pregathered``
-  inside it, so the region gets them as inputs: the compiled backward never
-  re-gathers, and the user's policy sees only the region's own ops (TP
-  collectives, activation casts), as in eager.
-* Full AC blocks run eagerly (one warning): compiled, torch 2.13's AOT autograd
-  saves a ``DeviceMesh`` for backward as if it were a tensor (docs/compile.md).
+* zero2: the gather runs in a checkpoint region whose policy saves everything, so
+  inside someone else's checkpoint (a plain ``checkpoint``, Hugging Face's
+  ``gradient_checkpointing_enable()``) the compiled backward still re-gathers
+  nothing: the partitioner honours the inner region's tags.
+* zero2 under ``apply_ac``: a checkpointed block's zero2 parameters are gathered
+  *before* its checkpoint region opens (``pregather`` in ``_state.py``) and read
+  from ``ParamGather.pregathered`` inside it, so the region gets them as inputs and
+  the user's policy sees only the region's own ops (TP collectives, activation
+  casts), as in eager.
+* Any compiled checkpoint of this DTensor code with attention needs fsdptag's fix
+  of a torch 2.13 partitioner bug (Note [Compiled checkpoint, DeviceMesh saved] in
+  ``_compat.py``), installed by ``parametrize``.
 * TP parameters are refused with a clear error (their gradients cross the
   compiled boundary as plain tensors and DTensor's backward fails).
-
-A checkpoint fsdptag did not open (a user's own, Hugging Face's) sees the
-gathers inside its region in compiled code and fails as full AC does
-(docs/compile.md); the eager Note [zero2 kept until backward] has no compiled
-counterpart yet.
 """
 
 from __future__ import annotations
@@ -157,9 +156,18 @@ def _recompute_all_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_RECOMPUTE
 
 
+def _save_all_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE
+
+
 def _recompute_everything():
     """zero3 in compiled code: the compiler re-gathers in backward (SimpleFSDP's regional AC)."""
     return create_selective_checkpoint_contexts(_recompute_all_policy)
+
+
+def _save_everything():
+    """zero2 in compiled code: saved even inside someone else's checkpoint region."""
+    return create_selective_checkpoint_contexts(_save_all_policy)
 
 
 @torch.compiler.disable  # runs (and raises) eagerly: a raise traced by dynamo would fall back to eager
@@ -276,11 +284,10 @@ class ParamGather:
 
     def traced(self, stored: DTensor) -> torch.Tensor:
         """The gather inside ``torch.compile``d code (Note [Compiled gathers])."""
-        copies = self.copies(stored)
-        if copies and self.tag.reshard_after_forward:
-            return checkpoint(self.gather_in_graph, stored, use_reentrant=False,
-                              context_fn=_recompute_everything)
-        return self.gather_in_graph(stored)
+        if not self.copies(stored):
+            return self.gather_in_graph(stored)
+        return checkpoint(self.gather_in_graph, stored, use_reentrant=False,
+                          context_fn=_recompute_everything if self.tag.reshard_after_forward else _save_everything)
 
     def gather_in_graph(self, stored: DTensor) -> torch.Tensor:
         """The untagged gather compiled code runs (Note [Compiled gathers])."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ._compat import fix_compiled_rng_states
 from ._api import BucketPolicy, DataParallelMode, MixedPrecisionPolicy, ReshardPolicy
 from ._plan import plan_parametrization
 from ._state import attach, module_state
@@ -80,6 +81,7 @@ def parametrize(
     for change in plan.modules.values():
         attach(change.module, change.state)
     plan.root.install(model, plan.params, [b for c in plan.modules.values() for b in c.state.buckets])
+    fix_compiled_rng_states()  # Note [Compiled checkpoint, DeviceMesh saved] in _compat.py
     return model
 
 

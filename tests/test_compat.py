@@ -163,3 +163,36 @@ def test_compile_start_callback_runs_before_tracing():
     torch.compile(lambda x: x + 1, backend="eager")(torch.ones(2))
     assert seen == [True] and not compat.is_compiling()
     torch._dynamo.reset()
+
+
+def test_compiled_checkpoint_saving_a_mesh_and_an_rng_state(fake_pg):
+    """Note [Compiled checkpoint, DeviceMesh saved]: the torch 2.13 bug, fsdptag-free,
+    and the fix. When this bug is fixed in torch, the first half fails: drop the fix."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from torch._functorch import partitioners
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (4,))
+    w = nn.Parameter(distribute_tensor(torch.randn(8, 8), mesh, [Shard(0)]))
+
+    def block(x):
+        q = x @ w.redistribute(mesh, [Replicate()]).to_local()
+        return F.scaled_dot_product_attention(q, q, q)  # nondeterministic_seeded, even without dropout
+
+    def run():
+        torch._dynamo.reset()
+        f = torch.compile(lambda x: checkpoint(block, x, use_reentrant=False), backend="aot_eager")
+        f(torch.randn(1, 2, 4, 8, requires_grad=True)).sum().backward()
+        return type(w.grad).__name__
+
+    installed = partitioners.functionalize_rng_ops
+    partitioners.functionalize_rng_ops = getattr(installed, "__wrapped__", installed)
+    try:
+        with pytest.raises(AssertionError, match="DeviceMesh"):
+            run()
+    finally:
+        partitioners.functionalize_rng_ops = installed
+    compat.fix_compiled_rng_states()
+    assert run() == "DTensor"
+    torch._dynamo.reset()
