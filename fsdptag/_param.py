@@ -42,8 +42,12 @@ values are bitwise those of eager), SimpleFSDP style:
 * Any compiled checkpoint of this DTensor code with attention needs fsdptag's fix
   of a torch 2.13 partitioner bug (Note [Compiled checkpoint, DeviceMesh saved] in
   ``_compat.py``), installed by ``parametrize``.
-* TP parameters are refused with a clear error (their gradients cross the
-  compiled boundary as plain tensors and DTensor's backward fails).
+* TP compiles with the whole model (``torch.compile(model)``). A TP parameter
+  gathered in a block compiled on its own is refused with a clear error: torch
+  2.13 cannot compile a sequence-parallel block alone (the gradient of its DTensor
+  input crosses the compiled boundary as a plain tensor; docs/compile.md), with or
+  without fsdptag. ``RootState.traced`` tells the two apart: the root's pre-forward
+  hook sets it while dynamo traces it, so it is True only inside a compiled root.
 """
 
 from __future__ import annotations
@@ -173,9 +177,10 @@ def _save_everything():
 @torch.compiler.disable  # runs (and raises) eagerly: a raise traced by dynamo would fall back to eager
 def _refuse_compiled_tp(fqn: str) -> None:
     raise NotImplementedError(
-        f"fsdptag: torch.compile with tensor parallelism is not supported yet ({fqn!r} is a TP "
-        "parameter): the gradient of a DTensor crossing the compiled block's boundary comes back "
-        "as a plain tensor in torch 2.13 (docs/compile.md). Run TP models eagerly."
+        f"fsdptag: {fqn!r} is a TP parameter in a torch.compile'd block, but the model's root "
+        "is not compiled with it. torch 2.13 cannot compile a sequence-parallel block on its "
+        "own (the gradient of its DTensor input comes back as a plain tensor, without fsdptag "
+        "too: docs/compile.md); compile the whole model instead: torch.compile(model)."
     )
 
 
@@ -214,6 +219,7 @@ class ParamGather:
         self.shape = shape
         self.stride = contiguous_strides(shape)
         self.handouts = root.handouts  # the root's check of per-parameter handouts
+        self.root = root
         self.bucket: Bucket | None = None  # set when bucketed (Note [Buckets])
         self.pregathered: torch.Tensor | None = None  # Note [Compiled gathers]
         # zero2 gathers kept for a checkpoint's recompute (Note [zero2 kept until backward])
@@ -291,7 +297,7 @@ class ParamGather:
 
     def gather_in_graph(self, stored: DTensor) -> torch.Tensor:
         """The untagged gather compiled code runs (Note [Compiled gathers])."""
-        if self.tp_mesh is not None:
+        if self.tp_mesh is not None and not self.root.traced:  # Note [Compiled gathers]
             _refuse_compiled_tp(self.fqn)
         return self._gather(stored, False, self.copies(stored))
 

@@ -65,6 +65,7 @@ class RootState:
         # ((graph task, bucket, kept gather), gathered parameters) of the latest scope-less
         # recompute (Bucket._scopeless_recompute): recomputes run one region at a time.
         self.recompute_served: tuple | None = None
+        self.traced = False  # dynamo is tracing the root's forward (Note [Compiled gathers])
 
     def training_forward(self) -> bool:
         """Whether the innermost open root forward began with grad on (Note [zero2 kept
@@ -96,6 +97,7 @@ class RootState:
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         if is_compiling():  # Note [Compiled gathers]: the compiler runs the gathers
+            self.traced = True
             return apply_to_tensors(self._cast, (args, kwargs)) if self.cast_dtype is not None else None
         watch_compiles()  # after a torch._dynamo.reset (Note [Bound storage])
         self._errors_at_entry.append(sys.exc_info()[1])
@@ -118,6 +120,7 @@ class RootState:
 
     def _post_forward(self, module: nn.Module, args: tuple, output) -> None:
         if is_compiling():
+            self.traced = False
             return
         # nn.Module runs an always-called hook from its `except` clause when forward
         # raised: then the exception being handled is a new one.
