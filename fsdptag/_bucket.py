@@ -77,6 +77,34 @@ share one storage (fakeifying the second fails: docs/compile.md has the
 reproduction). So when dynamo starts compiling anything in the process, every live
 bucket unbinds for good (``unbind_for_compile``): each shard gets its own storage
 and the eager path packs with ``cat``. Eager-only programs never pay this.
+
+Note [Compiled buckets]
+-----------------------
+Inside ``torch.compile`` a bucket is gathered as in eager, one all-gather for its
+parameters, but traced: ``gather_in_graph`` pads and concatenates the local shards,
+then ``_BucketCollectives`` casts and all-gathers (backward: the gradient in
+``reduce_dtype``, reduce-scattered, HSDP all-reduced, averaged), and one
+``split_with_sizes_copy`` copies the parameters out; the same ops in the same order
+as eager, so ``aot_eager`` is bitwise equal to eager. There are no scopes in compiled
+code: a bucket root's ``forward`` gathers its buckets up front and hands each
+parameter its piece through ``ParamGather.pregathered`` (a Python attribute, set
+and cleared in the traced code). Where the gather runs:
+
+* a block checkpointed by ``apply_ac`` (a bucket root, Note [Checkpointed bucket
+  roots]): before its checkpoint region opens (``pregather``), zero2 plainly (the
+  region takes the parameters as inputs), zero3 in a recompute-everything region
+  of its own, so the compiled backward re-gathers the bucket once;
+* any other bucket root's ``forward``: in a checkpoint region of the bucket's own,
+  recompute-everything for zero3, save-everything for zero2, which keeps zero2
+  gathered inside someone else's checkpoint region (a plain ``checkpoint``, Hugging
+  Face's). Writing ``pregathered`` inside such a region is a side effect dynamo
+  refuses by default, so the compile-start callback sets
+  ``torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint`` (as
+  torchtitan's compile path does): the write is set and cleared within the traced
+  forward, so not replaying it in the recompute loses nothing.
+
+Per compiled block graph: 1 all-gather in forward, zero2 0 and zero3 1 in backward,
+under any AC (``tests/test_compile.py``), where per-parameter gathers made 9.
 """
 
 from __future__ import annotations
@@ -90,11 +118,19 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate
+from torch.utils.checkpoint import checkpoint
 
 from ._api import MixedPrecisionPolicy
-from ._compat import contiguous_strides, current_sac_region, graph_task_id, in_backward, on_compile_start
+from ._compat import (
+    allow_checkpoint_side_effects,
+    contiguous_strides,
+    current_sac_region,
+    graph_task_id,
+    in_backward,
+    on_compile_start,
+)
 from ._keep import KeptGather, Keeper
-from ._param import ParamGather, makes_copy
+from ._param import ParamGather, recompute_everything, save_everything, makes_copy
 from ._tag import FSDPTag, FSDPTaggedTensor, check_unchanged, mark_gathered
 
 if TYPE_CHECKING:
@@ -315,6 +351,35 @@ class Bucket:
             flat = flat.to(self.param_dtype)
         return flat
 
+    # ------------------------------------------------------------ compiled
+
+    def traced(self) -> tuple[torch.Tensor, ...]:
+        """The bucket gathered inside ``torch.compile`` (Note [Compiled buckets]), in a
+        checkpoint region of its own: zero3's recomputes it, zero2's saves it."""
+        context_fn = recompute_everything if self.tag.reshard_after_forward else save_everything
+        return checkpoint(self.gather_in_graph, *self.stored(), use_reentrant=False, context_fn=context_fn)
+
+    def gather_in_graph(self, *params: DTensor) -> tuple[torch.Tensor, ...]:
+        """One untagged gather of the bucket in the graph, with eager's ops and layout."""
+        for g in self.params:
+            g.check_compilable()
+        pieces = []
+        for slot, p in zip(self.slots, params):
+            x = p.to_local().reshape(-1)  # to_local's backward makes the DTensor gradient
+            if x.numel() < slot.numel:  # uneven shards: pad every rank's chunk alike
+                x = F.pad(x, (0, slot.numel - x.numel()))
+            pieces.append(x)
+        flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        gathered = _BucketCollectives.apply(flat, self.world, self.group_name, self.replicas,
+                                            self.replicate_group, self.param_dtype, self.reduce_dtype)
+        if len(self.slots) == 1:
+            split = [gathered]
+        else:
+            split = torch.split_with_sizes_copy(
+                gathered.view(self.world, self.numel), self.split_sizes, dim=1)
+        return tuple(g.on_tp_mesh(_unpad(self, slot, piece))
+                     for g, slot, piece in zip(self.params, self.slots, split))
+
     def issue_all_gather(self, tagged: bool) -> torch.Tensor:
         """Start this bucket's all-gather without waiting (Note [Prefetch])."""
         with torch.no_grad():
@@ -422,6 +487,38 @@ class _GatherBucket(torch.autograd.Function):
         return (None, None, None, None, None, *out)
 
 
+class _BucketCollectives(torch.autograd.Function):
+    """Compiled buckets' collectives (Note [Compiled buckets]): cast + all-gather in
+    forward; in backward the gradient in ``reduce_dtype``, reduce-scattered (HSDP:
+    then all-reduced over replicas) and averaged, as eager's ``_GatherBucket`` does."""
+
+    @staticmethod
+    def forward(ctx, flat, world, group, replicas, replicate_group, param_dtype, reduce_dtype):
+        ctx.world, ctx.group, ctx.replicas, ctx.replicate_group = world, group, replicas, replicate_group
+        ctx.in_dtype = flat.dtype
+        ctx.reduce_dtype = reduce_dtype
+        if param_dtype is not None and param_dtype != flat.dtype:
+            flat = flat.to(param_dtype)
+        if world > 1:
+            flat = c10d.wait_tensor(c10d.all_gather_into_tensor(flat, world, group))
+        return flat
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.reduce_dtype is not None and grad.dtype != ctx.reduce_dtype:
+            grad = grad.to(ctx.reduce_dtype)
+        else:
+            grad = grad.clone()  # averaged in place below
+        if ctx.world > 1:
+            grad = c10d.wait_tensor(c10d.reduce_scatter_tensor(grad, "sum", ctx.world, ctx.group))
+        if ctx.replicate_group is not None:
+            grad = c10d.wait_tensor(c10d.all_reduce(grad, "sum", ctx.replicate_group))
+        grad = grad.div_(ctx.world * ctx.replicas)
+        if grad.dtype != ctx.in_dtype:
+            grad = grad.to(ctx.in_dtype)
+        return grad, None, None, None, None, None, None
+
+
 def _unpad(bucket: Bucket, slot: _Slot, piece: torch.Tensor) -> torch.Tensor:
     """A copied-out piece as its parameter: padded rows viewed, the padding cut off."""
     p = piece.view(bucket.world * slot.padded_rows, *slot.rest)
@@ -435,6 +532,8 @@ _LIVE: weakref.WeakSet[Bucket] = weakref.WeakSet()
 def _unbind_all(_args) -> None:
     for bucket in list(_LIVE):
         bucket.unbind_for_compile()
+    if _LIVE:  # Note [Compiled buckets]: a bucket root's gather inside someone's checkpoint
+        allow_checkpoint_side_effects()
 
 
 def watch_compiles() -> None:

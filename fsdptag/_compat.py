@@ -30,6 +30,8 @@ SAC's error texts (``SAC_REPLAY_ERRORS``)           to re-raise replay failures 
                                                    holds a buffer (views hold only the storage)
 ``_functorch.partitioners.functionalize_rng_ops``   wrapped to fix a torch 2.13 bug that breaks
                                                    compiled checkpoints of DTensor code (below)
+``_dynamo.config.skip_fwd_side_effects_in_bwd...``  compiled buckets inside someone's checkpoint
+                                                   (Note [Compiled buckets]; torchtitan sets it too)
 =================================================  ==========================================
 
 Note [Compiled checkpoint, DeviceMesh saved]
@@ -79,6 +81,7 @@ __all__ = [
     "at_backward_end",
     "concatenate_meshes",
     "contiguous_strides",
+    "allow_checkpoint_side_effects",
     "current_sac_region",
     "fix_compiled_rng_states",
     "graph_task_id",
@@ -153,6 +156,12 @@ def fix_compiled_rng_states() -> None:
 
     functionalize_rng_ops._fsdptag_fix = True
     partitioners.functionalize_rng_ops = functionalize_rng_ops
+
+
+def allow_checkpoint_side_effects() -> None:
+    """Let dynamo trace Python attribute writes inside a checkpoint region, without
+    replaying them in the recompute (torchtitan's compile path sets the same)."""
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 
 
 def storage_use_count(t: torch.Tensor) -> int:

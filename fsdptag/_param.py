@@ -22,10 +22,11 @@ they see only the stored DTensors: no collective, no tagged tensor.
 Note [Compiled gathers]
 -----------------------
 Inside ``torch.compile`` (``torch.compiler.is_compiling()``) the eager runtime
-steps aside: no buckets, scopes, prefetch, zero3 saved-tensor hooks or tags; the
-root's hooks only cast inputs. Each parameter is gathered in the graph, untagged
-(``gather_in_graph``: the same ``redistribute`` with the dtype cast, so the
-values are bitwise those of eager), SimpleFSDP style:
+steps aside: no scopes, prefetch, zero3 saved-tensor hooks or tags; the root's
+hooks only cast inputs. A bucket is gathered in the graph as one all-gather (Note
+[Compiled buckets] in ``_bucket.py``); a parameter gathered alone, untagged
+(``gather_in_graph``: the same ``redistribute`` with the dtype cast, so the values
+are bitwise those of eager), SimpleFSDP style:
 
 * zero3: the gather runs in a checkpoint region whose policy recomputes
   everything, so the compiled backward re-gathers (in eager this frees nothing,
@@ -164,12 +165,12 @@ def _save_all_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE
 
 
-def _recompute_everything():
+def recompute_everything():
     """zero3 in compiled code: the compiler re-gathers in backward (SimpleFSDP's regional AC)."""
     return create_selective_checkpoint_contexts(_recompute_all_policy)
 
 
-def _save_everything():
+def save_everything():
     """zero2 in compiled code: saved even inside someone else's checkpoint region."""
     return create_selective_checkpoint_contexts(_save_all_policy)
 
@@ -293,13 +294,17 @@ class ParamGather:
         if not self.copies(stored):
             return self.gather_in_graph(stored)
         return checkpoint(self.gather_in_graph, stored, use_reentrant=False,
-                          context_fn=_recompute_everything if self.tag.reshard_after_forward else _save_everything)
+                          context_fn=recompute_everything if self.tag.reshard_after_forward else save_everything)
 
     def gather_in_graph(self, stored: DTensor) -> torch.Tensor:
         """The untagged gather compiled code runs (Note [Compiled gathers])."""
-        if self.tp_mesh is not None and not self.root.traced:  # Note [Compiled gathers]
-            _refuse_compiled_tp(self.fqn)
+        self.check_compilable()
         return self._gather(stored, False, self.copies(stored))
+
+    def check_compilable(self) -> None:
+        """A TP parameter compiles only inside a compiled root (Note [Compiled gathers])."""
+        if self.tp_mesh is not None and not self.root.traced:
+            _refuse_compiled_tp(self.fqn)
 
     def regather(self) -> dict[ParamGather, torch.Tensor]:
         """A fresh tagged gather, as the zero3 hooks re-gather (Note [zero3 by saved-tensor hooks])."""

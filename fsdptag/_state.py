@@ -150,19 +150,41 @@ def module_state(module: nn.Module) -> ModuleState | None:
 
 
 def pregather(block: nn.Module) -> list[ParamGather]:
-    """In compiled code, gather ``block``'s zero2 parameters now, before the caller
-    opens its checkpoint region; the caller hands the list to :func:`drop_pregathered`
-    after it (Note [Compiled gathers]). Plain loops: dynamo traces them."""
+    """In compiled code, gather ``block``'s buckets and its zero2 parameters gathered
+    alone now, before the caller opens its checkpoint region (Note [Compiled buckets]
+    in ``_bucket.py``); the caller hands the list to :func:`drop_pregathered` after it
+    (Note [Compiled gathers]). Plain loops: dynamo traces them."""
     gathers = []
     for m in block.modules():
         state = module_state(m)
         if state is None:
             continue
+        for b in state.buckets:  # zero3's in a recompute region of its own, outside the caller's
+            if b.copies():
+                outs = b.traced() if b.tag.reshard_after_forward else b.gather_in_graph(*b.stored())
+                gathers += _set_pregathered(outs, b.params)
         for g in state.params.values():
-            if not g.tag.reshard_after_forward and g.copies(g.module_info.stored):
+            if (g.bucket is None and g.pregathered is None and not g.tag.reshard_after_forward
+                    and g.copies(g.module_info.stored)):
                 g.pregathered = g.gather_in_graph(g.module_info.stored)
                 gathers.append(g)
     return gathers
+
+
+def pregather_buckets(buckets) -> list[ParamGather]:
+    """In compiled code, a bucket root's ``forward`` gathers its buckets not gathered
+    yet (Note [Compiled buckets] in ``_bucket.py``), each in its own checkpoint region."""
+    gathers = []
+    for b in buckets:
+        if b.copies() and b.params[0].pregathered is None:
+            gathers += _set_pregathered(b.traced(), b.params)
+    return gathers
+
+
+def _set_pregathered(outs, params) -> list[ParamGather]:
+    for g, out in zip(params, outs):
+        g.pregathered = out
+    return list(params)
 
 
 def drop_pregathered(gathers: list[ParamGather]) -> None:
@@ -291,8 +313,12 @@ def _bucket_root_methods(cls: type) -> dict:
     ``_apply`` (``to_empty``, ``to``) that rebinds their storage (Note [Bound storage])."""
 
     def forward(self, *args, **kwargs):
-        if is_compiling():  # Note [Compiled gathers]: no scopes in compiled code
-            return cls.forward(self, *args, **kwargs)
+        if is_compiling():  # Note [Compiled buckets]: the buckets gathered up front, no scopes
+            gathers = pregather_buckets(self.__dict__[_STATE].buckets)
+            try:
+                return cls.forward(self, *args, **kwargs)
+            finally:
+                drop_pregathered(gathers)
         return scoped(self.__dict__[_STATE].buckets, functools.partial(cls.forward, self))(*args, **kwargs)
 
     def _apply(self, fn, *args, **kwargs):

@@ -236,14 +236,14 @@ def test_compiled_graphs_gather_as_eager_does(results):
     re-gathered there (one compiled graph serves both blocks)."""
     rows = result(results, "graph counts")
     assert_expected_inline("\n".join(f"{k}: {v}" for k, v in rows.items()), """\
-zero2 ac=none: eager 3/0 | compiled block: backward graphs 1, forward fsdp all-gathers 9, forward graphs 1
-zero2 ac=selective: eager 3/0 | compiled block: backward graphs 1, forward fsdp all-gathers 9, forward graphs 1
-zero2 ac=full: eager 3/0 | compiled block: backward graphs 1, forward fsdp all-gathers 9, forward graphs 1
-zero2 ac=plain checkpoint: eager 3/0 | compiled block: backward graphs 1, forward fsdp all-gathers 9, forward graphs 1
-zero3 ac=none: eager 3/3 | compiled block: backward fsdp all-gathers 9, backward graphs 1, forward fsdp all-gathers 9, forward graphs 1
-zero3 ac=selective: eager 3/3 | compiled block: backward fsdp all-gathers 9, backward graphs 1, forward fsdp all-gathers 9, forward graphs 1
-zero3 ac=full: eager 3/3 | compiled block: backward fsdp all-gathers 9, backward graphs 1, forward fsdp all-gathers 9, forward graphs 1
-zero3 ac=plain checkpoint: eager 3/3 | compiled block: backward fsdp all-gathers 9, backward graphs 1, forward fsdp all-gathers 9, forward graphs 1""")
+zero2 ac=none: eager 3/0 | compiled block: backward graphs 1, forward fsdp all-gathers 1, forward graphs 1
+zero2 ac=selective: eager 3/0 | compiled block: backward graphs 1, forward fsdp all-gathers 1, forward graphs 1
+zero2 ac=full: eager 3/0 | compiled block: backward graphs 1, forward fsdp all-gathers 1, forward graphs 1
+zero2 ac=plain checkpoint: eager 3/0 | compiled block: backward graphs 1, forward fsdp all-gathers 1, forward graphs 1
+zero3 ac=none: eager 3/3 | compiled block: backward fsdp all-gathers 1, backward graphs 1, forward fsdp all-gathers 1, forward graphs 1
+zero3 ac=selective: eager 3/3 | compiled block: backward fsdp all-gathers 1, backward graphs 1, forward fsdp all-gathers 1, forward graphs 1
+zero3 ac=full: eager 3/3 | compiled block: backward fsdp all-gathers 1, backward graphs 1, forward fsdp all-gathers 1, forward graphs 1
+zero3 ac=plain checkpoint: eager 3/3 | compiled block: backward fsdp all-gathers 1, backward graphs 1, forward fsdp all-gathers 1, forward graphs 1""")
 
 
 def test_compiled_numerics_match_eager(results):
@@ -261,8 +261,8 @@ def test_hugging_face_checkpointing_compiles(results):
     first forward; zero2 keeps its gathers (saved inside the checkpoint region)."""
     rows = result(results, "hf checkpointing")
     assert_expected_inline("\n".join(f"{k}: {v}" for k, v in rows.items()), """\
-zero2: bitwise, graph breaks 0, backward graphs 2, forward fsdp all-gathers 18, forward graphs 2
-zero3: bitwise, graph breaks 0, backward fsdp all-gathers 18, backward graphs 2, forward fsdp all-gathers 18, forward graphs 2""")
+zero2: bitwise, graph breaks 0, backward graphs 2, forward fsdp all-gathers 2, forward graphs 2
+zero3: bitwise, graph breaks 0, backward fsdp all-gathers 2, backward graphs 2, forward fsdp all-gathers 2, forward graphs 2""")
 
 
 def test_tp_compiles_with_the_whole_model(results):
