@@ -13,6 +13,15 @@ FSDP) and with TP (2 dp x 2 tp, sequence parallel), each AC mode asked for:
             the same collectives (op-name for zero2, no-fix for zero3): the tag's cost
   prefetch  tagged with ``prefetch=True`` (only gathers outside AC regions: use --ac none)
 
+With ``--compile BACKEND`` the variants default to ``tagged,tagged+compile,fsdp2+compile``:
+a ``+compile`` variant is compiled with BACKEND, each block on its own (torchtitan
+style; fsdptag with TP: the whole model, see docs/compile.md). Compiled code cannot run
+under the collective counter or the storage tracker (dispatch modes), so for compiled
+variants the backward all-gathers, bytes gathered and peak are not measured (the graph
+counts are pinned by tests/test_compile.py), and "kept for bwd" is the bytes of the
+distinct storages autograd saves for backward (a saved-tensor hook; parameters not
+counted), a close proxy of the tracker's figure that eager variants report.
+
 Per variant: backward all-gathers on the data-parallel mesh, bytes all-gathered per
 step (FSDP), bytes forward keeps for backward, peak bytes of a step (tracked
 storages, parameters included), and the median step time over --steps steps after
@@ -35,6 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 import fsdptag
 from fsdptag.testing.baselines import apply_baseline_ac
@@ -43,7 +53,8 @@ from fsdptag.testing.launch import spawn
 from fsdptag.testing.llama import Llama, LlamaConfig, apply_tp
 
 DEFAULT_VARIANTS = ("tagged", "op-name", "no-fix", "fsdp2", "untagged")
-KNOWN_VARIANTS = DEFAULT_VARIANTS + ("prefetch",)
+COMPILE_VARIANTS = ("tagged", "tagged+compile", "fsdp2+compile")
+KNOWN_VARIANTS = DEFAULT_VARIANTS + ("prefetch", "tagged+compile", "fsdp2+compile")
 
 
 @dataclass
@@ -65,7 +76,19 @@ def _ac_args(ac: str):
     return ("selective", 2) if ac == "layer" else (ac, None)
 
 
-def _build(variant, cfg, mesh, tp, reshard, ac, bucket):
+def _build(variant, cfg, mesh, tp, reshard, ac, bucket, backend=None):
+    base, compiled = variant.removesuffix("+compile"), variant.endswith("+compile")
+    model = _build_eager(base, cfg, mesh, tp, reshard, ac, bucket)
+    if not compiled:
+        return model
+    if base == "tagged" and tp > 1:  # a TP block cannot be compiled alone (docs/compile.md)
+        return torch.compile(model, backend=backend)
+    for block in model.layers:
+        block.compile(backend=backend)
+    return model
+
+
+def _build_eager(variant, cfg, mesh, tp, reshard, ac, bucket):
     torch.manual_seed(0)
     model = Llama(cfg)
     model.init_weights()
@@ -105,10 +128,11 @@ def _untagged_if(variant):
     return disable_tagging() if variant == "untagged" else contextlib.nullcontext()
 
 
-def _measure_group(variants, cfg, mesh, tp, reshard, ac, steps, tokens, bucket) -> list[Record]:
+def _measure_group(variants, cfg, mesh, tp, reshard, ac, steps, tokens, bucket, backend=None) -> list[Record]:
     """All variants of one setting, built side by side; timed steps alternate between
     them (round robin) so that drift in the machine's speed hits every variant alike."""
-    models = {v: _build(v, cfg, mesh, tp, reshard, ac, bucket) for v in variants}
+    torch._dynamo.reset()
+    models = {v: _build(v, cfg, mesh, tp, reshard, ac, bucket, backend) for v in variants}
     optims = {v: torch.optim.AdamW(m.parameters(), lr=1e-3) for v, m in models.items()}
     times = {v: [] for v in variants}
     for v in variants:
@@ -125,8 +149,41 @@ def _measure_group(variants, cfg, mesh, tp, reshard, ac, steps, tokens, bucket) 
                           statistics.median(times[v])) for v in variants]
 
 
+class _SavedBytes(torch.autograd.graph.saved_tensors_hooks):
+    """Bytes of the distinct storages autograd saves for backward, parameters excluded."""
+
+    def __init__(self, model) -> None:
+        self.exclude = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
+        self.seen: dict[int, int] = {}
+        super().__init__(self._pack, lambda t: t)
+
+    def _pack(self, t):
+        storage = _local(t).untyped_storage()
+        if storage.data_ptr() not in self.exclude:
+            self.seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+
+def _local(t):
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _instrumented_compiled(variant, model, optim, tp, reshard, ac, tokens, step_time) -> Record:
+    """A compiled variant: only what saved-tensor hooks can see (no dispatch modes)."""
+    saved = _SavedBytes(model)
+    with saved:
+        loss = F.cross_entropy(model(tokens[:, :-1]).float().flatten(0, 1), tokens[:, 1:].flatten())
+    loss.backward()
+    optim.zero_grad(set_to_none=True)
+    return Record(variant=variant, reshard_after_forward=reshard, tp=tp, ac=ac,
+                  bwd_fsdp_all_gathers=-1, fsdp_all_gather_bytes=-1,
+                  saved_bytes=sum(saved.seen.values()), peak_bytes=-1, step_time_s=step_time)
+
+
 def _instrumented(variant, model, optim, mesh, tp, reshard, ac, tokens, step_time) -> Record:
     """One step under the collective counter and the storage tracker."""
+    if variant.endswith("+compile"):
+        return _instrumented_compiled(variant, model, optim, tp, reshard, ac, tokens, step_time)
     with _untagged_if(variant), CollectiveCounter(mesh) as cc, \
             LiveStorageTracker(track_inputs=True, track_peak=True) as mem:
         loss = F.cross_entropy(model(tokens[:, :-1]).float().flatten(0, 1), tokens[:, 1:].flatten())
@@ -144,7 +201,7 @@ def _instrumented(variant, model, optim, mesh, tp, reshard, ac, tokens, step_tim
     )
 
 
-def _worker(cfg: LlamaConfig, acs, steps, batch, seq_len, bucket, tps, variants):
+def _worker(cfg: LlamaConfig, acs, steps, batch, seq_len, bucket, tps, variants, backend=None):
     records = []
     world = dist.get_world_size()
     for tp in tps:
@@ -155,24 +212,32 @@ def _worker(cfg: LlamaConfig, acs, steps, batch, seq_len, bucket, tps, variants)
         tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), generator=g)
         for reshard in (False, True):
             for ac in acs:
-                group = _measure_group(variants, cfg, mesh, tp, reshard, ac, steps, tokens, bucket)
+                group = _measure_group(variants, cfg, mesh, tp, reshard, ac, steps, tokens, bucket, backend)
                 times = {r.variant: r.step_time_s for r in group}
+                base = "tagged" if backend else "no-fix"  # --compile: ratios to eager fsdptag
+                fsdp2 = "fsdp2+compile" if backend else "fsdp2"
                 for r in group:
-                    r.time_vs_no_fix = r.step_time_s / times.get("no-fix", float("nan"))
-                    r.time_vs_fsdp2 = r.step_time_s / times.get("fsdp2", float("nan"))
+                    r.time_vs_no_fix = r.step_time_s / times.get(base, float("nan"))
+                    r.time_vs_fsdp2 = r.step_time_s / times.get(fsdp2, float("nan"))
                 records += group
     return [asdict(r) for r in records]
 
 
-def _table(records) -> str:
+def _table(records, compiled: bool = False) -> str:
+    base, fsdp2 = ("tagged", "fsdp2+compile") if compiled else ("no-fix", "fsdp2")
     head = ("| zero | tp | ac | variant | bwd FSDP all-gathers | FSDP all-gathered KiB/step | "
-            "kept for bwd KiB | peak KiB | step ms | vs no-fix | vs fsdp2 |")
+            f"kept for bwd KiB | peak KiB | step ms | vs {base} | vs {fsdp2} |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
+
+    def kib(n):
+        return "-" if n < 0 else f"{n / 1024:.0f}"
+
     for r in records:
+        gathers = "-" if r["bwd_fsdp_all_gathers"] < 0 else r["bwd_fsdp_all_gathers"]
         lines.append(
             f"| {3 if r['reshard_after_forward'] else 2} | {r['tp']} | {r['ac']} | {r['variant']} | "
-            f"{r['bwd_fsdp_all_gathers']} | {r['fsdp_all_gather_bytes'] / 1024:.0f} | "
-            f"{r['saved_bytes'] / 1024:.0f} | {r['peak_bytes'] / 1024:.0f} | "
+            f"{gathers} | {kib(r['fsdp_all_gather_bytes'])} | "
+            f"{kib(r['saved_bytes'])} | {kib(r['peak_bytes'])} | "
             f"{r['step_time_s'] * 1e3:.1f} | {r['time_vs_no_fix']:.2f} | {r['time_vs_fsdp2']:.2f} |"
         )
     return "\n".join(lines)
@@ -212,9 +277,13 @@ def main() -> None:
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                    help=f"comma list of {', '.join(KNOWN_VARIANTS)}")
     p.add_argument("--world", type=int, default=4, help="ranks (TP 2 needs an even number)")
+    p.add_argument("--compile", default=None, metavar="BACKEND",
+                   help="compare compiled fsdptag and FSDP2 (e.g. inductor, aot_eager)")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
     args = p.parse_args()
+    if args.compile and args.variants == ",".join(DEFAULT_VARIANTS):
+        args.variants = ",".join(COMPILE_VARIANTS)
     dim = args.dim or (64 if args.quick else 128)
     layers = args.layers or (2 if args.quick else 4)
     acs = tuple((args.ac or ("selective" if args.quick else "full,selective,layer")).split(","))
@@ -227,12 +296,16 @@ def main() -> None:
     unknown = sorted(set(variants) - set(KNOWN_VARIANTS))
     if unknown:
         p.error(f"unknown variant(s) {unknown}; use some of {', '.join(KNOWN_VARIANTS)}")
-    records = spawn(args.world, _worker, cfg, acs, max(args.steps, 5), batch, seq_len, args.bucket, tps, variants)
+    if any(v.endswith("+compile") for v in variants) and not args.compile:
+        p.error("a +compile variant needs --compile BACKEND")
+    records = spawn(args.world, _worker, cfg, acs, max(args.steps, 5), batch, seq_len, args.bucket, tps,
+                    variants, args.compile)
     print(f"compare_policies: dim={dim} layers={layers} batch={batch} seq={seq_len} per dp rank, "
           f"bucket={args.bucket}, "
-          f"{args.world} ranks (gloo, CPU), bf16 params, median of {max(args.steps, 5)} steps; "
+          f"{args.world} ranks (gloo, CPU), bf16 params, median of {max(args.steps, 5)} steps"
+          f"{f', compiled with {args.compile}' if args.compile else ''}; "
           f"{time.perf_counter() - t0:.0f} s\n")
-    print(_table(records))
+    print(_table(records, compiled=bool(args.compile)))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1)

@@ -196,3 +196,8 @@ def test_compiled_checkpoint_saving_a_mesh_and_an_rng_state(fake_pg):
     compat.fix_compiled_rng_states()
     assert run() == "DTensor"
     torch._dynamo.reset()
+
+
+def test_dynamo_checkpoint_side_effect_switch_exists():
+    # Note [Compiled buckets]: fsdptag sets it when compiling (torchtitan does too).
+    assert torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint in (False, True)
