@@ -3,6 +3,7 @@ one step, zero2/zero3 x AC none/selective/full, bf16 params / fp32 reduction.
 
     .venv/bin/python scripts/compile_check.py tp      # dp 2 x tp 2, whole model compiled
     .venv/bin/python scripts/compile_check.py hsdp    # 2 x 2 HSDP, each block compiled
+    .venv/bin/python scripts/compile_check.py ddp     # 4-way replicate, each block compiled
 
 About 80 s each. Not in the suite: compiling on 4 CPU ranks is slow.
 """
@@ -36,7 +37,8 @@ def case(which, mesh, dp_rank):
                 model.init_weights()
                 if which == "tp":
                     apply_tp(model, mesh["tp"])
-                fsdptag.parametrize(model, mesh, reshard_after_forward=reshard, mp_policy=MP)
+                fsdptag.parametrize(model, mesh, mode="replicate" if which == "ddp" else None,
+                                    reshard_after_forward=reshard, mp_policy=MP)
                 fsdptag.apply_ac(model, ac)
                 if compiled and which == "tp":
                     model = torch.compile(model, backend="aot_eager")
@@ -55,16 +57,19 @@ def worker(which):
     if which == "tp":
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         dp_rank = mesh["dp"].get_local_rank()
-    else:
+    elif which == "hsdp":
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        dp_rank = dist.get_rank()
+    else:
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("replicate",))
         dp_rank = dist.get_rank()
     return run_cases({"x": functools.partial(case, which, mesh, dp_rank)})
 
 
 if __name__ == "__main__":
     which = sys.argv[1] if len(sys.argv) > 1 else "tp"
-    if which not in ("tp", "hsdp"):
-        sys.exit(f"usage: {sys.argv[0]} tp|hsdp")
+    if which not in ("tp", "hsdp", "ddp"):
+        sys.exit(f"usage: {sys.argv[0]} tp|hsdp|ddp")
     out = launch(4, worker, which, timeout_s=300)
     for k, v in result(out, "x").items():
         print(f"{which} {k}: max relative gradient difference {v:.1e}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import os
 import time
 
 import pytest
@@ -84,3 +86,25 @@ def test_ranks_out_of_step_fail_in_seconds():
         result(out, "skip")
     with pytest.raises(pytest.fail.Exception, match="'after' did not run: .*case 'skip'"):
         result(out, "after")
+
+
+def _segfault_on_rank_1(marker):
+    """Crash rank 1 while ``marker`` does not exist yet ("" : every time)."""
+    if dist.get_rank() == 1 and not (marker and os.path.exists(marker)):
+        if marker:
+            open(marker, "w").close()
+        ctypes.string_at(0)  # SIGSEGV
+    return "survived"
+
+
+def worker_crash(marker):
+    return run_cases({"crash": lambda: _segfault_on_rank_1(marker)})
+
+
+def test_a_crashed_rank_is_retried_once_loudly(tmp_path):
+    with pytest.warns(RuntimeWarning, match="(?s)in case 'crash'.*SIGSEGV.*Fatal Python error.*retrying"):
+        out = launch(2, worker_crash, str(tmp_path / "once"), timeout_s=TIMEOUT_S)
+    assert result(out, "crash") == "survived"
+    with pytest.warns(RuntimeWarning, match="retrying"), \
+            pytest.raises(RuntimeError, match="(?s)in case 'crash'.*SIGSEGV.*Fatal Python error"):
+        launch(2, worker_crash, "", timeout_s=TIMEOUT_S)

@@ -8,6 +8,7 @@ and collectives time out after ``timeout_s`` so a rank out of step fails in seco
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import pickle
 import sys
@@ -23,6 +24,8 @@ __all__ = ["spawn"]
 
 def _worker(rank: int, world_size: int, init_file: str, out_dir: str, timeout_s: float,
             fn: Callable, args) -> None:
+    fault_dir = os.environ.get("FSDPTAG_FAULT_DIR")  # a crash (SIGSEGV) writes every thread's stack
+    faulthandler.enable(open(os.path.join(fault_dir, f"fault{rank}"), "w") if fault_dir else sys.stderr)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     dist.init_process_group(
