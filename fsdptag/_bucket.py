@@ -104,7 +104,8 @@ and cleared in the traced code). Where the gather runs:
   forward, so not replaying it in the recompute loses nothing.
 
 Per compiled block graph: 1 all-gather in forward, zero2 0 and zero3 1 in backward,
-under any AC (``tests/test_compile.py``), where per-parameter gathers made 9.
+with AC none, selective, full or a plain checkpoint (``tests/test_compile.py`` pins
+five of those settings), where per-parameter gathers made 9.
 """
 
 from __future__ import annotations

@@ -143,7 +143,7 @@ def _tp_alone_any_checkpointing(mesh, dp_rank):
     each zero2 all-gather output is kept for the recompute (Note [zero2 kept until
     backward]), its TP-local tensor being the all-gather output."""
     rows = {}
-    for reshard in (False, True):
+    for reshard in (False,):  # zero3 keeps nothing: its counts are test_backward_all_gathers'
         reference = None
         for how in ("none", "plain", "reentrant", "fsdptag full"):
             model = _build(mesh, "fully_shard", reshard, tp_mesh=mesh["tp"])
@@ -441,11 +441,7 @@ def test_tp_parameters_alone_stay_gathered_under_any_checkpointing(results):
 zero2 none: 21/0
 zero2 plain: 21/0
 zero2 reentrant: 21/0
-zero2 fsdptag full: 21/0
-zero3 none: 21/20
-zero3 plain: 21/20
-zero3 reentrant: 21/20
-zero3 fsdptag full: 21/20""")
+zero2 fsdptag full: 21/0""")
 
 
 def test_gradients_bitwise_equal_to_no_ac(results):
