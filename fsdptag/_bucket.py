@@ -227,7 +227,7 @@ class Bucket:
         """A new bucket of some of this one's ``params`` (in slot order), bound to their
         stored parameters and serving them from now on (Note [Checkpointed bucket roots])."""
         b = Bucket(name, self.tag.reshard_after_forward, params, self.dp_mesh, self.mp, self.root)
-        b.compiled = self.compiled
+        b.compiled, b.owner = self.compiled, self.owner
         b.bind()
         for g in params:
             g.bucket = b
