@@ -49,10 +49,10 @@ def launch(world_size: int, worker: Callable, *args, timeout_s: float = COLLECTI
     """Run ``worker(*args)`` on ``world_size`` ranks; it returns ``run_cases(...)``.
 
     A rank that dies (gloo aborts the process on some mismatched collectives) fails
-    the launch with the case each rank was running. A rank killed by a signal
-    (SIGSEGV: seen once in ~15 suite runs, in torch.distributed.checkpoint's load on
-    CPU, not reproduced since) is retried once, loudly: a warning carries the crashed
-    rank's stacks (faulthandler); a second crash fails."""
+    the launch with the case each rank was running, with the crashed rank's stacks
+    (faulthandler). A rank killed by SIGSEGV (seen once in ~15 suite runs, in
+    torch.distributed.checkpoint's load on CPU, not reproduced since) is retried once,
+    loudly: a warning carries those stacks; a second crash fails."""
     try:
         return _launch_once(world_size, worker, *args, timeout_s=timeout_s)
     except _RankCrashed as e:
@@ -72,7 +72,8 @@ def _launch_once(world_size: int, worker: Callable, *args, timeout_s: float) -> 
         except Exception as e:
             where = ", ".join(f"rank {r}: {_read(os.path.join(progress, str(r)))}" for r in range(world_size))
             faults = "".join(_read(os.path.join(progress, f"fault{r}"), "") for r in range(world_size))
-            error = _RankCrashed if "terminated with signal" in str(e) else RuntimeError
+            # SIGSEGV only: gloo aborts (SIGABRT) a rank on mismatched collectives, a real failure
+            error = _RankCrashed if "terminated with signal SIGSEGV" in str(e) else RuntimeError
             raise error(f"{worker.__name__} on {world_size} ranks died ({where}): {e}"
                         + (f"\n{faults}" if faults else "")) from e
         finally:
