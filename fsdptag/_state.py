@@ -41,7 +41,7 @@ from ._api import MixedPrecisionPolicy
 from ._bucket import Bucket, scoped, watch_compiles
 from ._class_swap import swap_class
 from ._compat import apply_to_tensors, at_backward_end, in_backward, is_compiling
-from ._param import Handouts, ParamGather
+from ._param import Handouts, ParamGather, flags
 from ._prefetch import Prefetcher
 from ._reshard import Zero3SavedTensorHooks
 
@@ -155,18 +155,19 @@ def pregather(block: nn.Module) -> list[ParamGather]:
     in ``_bucket.py``); the caller hands the list to :func:`drop_pregathered` after it
     (Note [Compiled gathers]). Plain loops: dynamo traces them."""
     gathers = []
+    if not flags.active:  # disable_active_parametrization: accesses return the stored shards
+        return gathers
     for m in block.modules():
         state = module_state(m)
         if state is None:
             continue
-        for b in state.buckets:  # zero3's in a recompute region of its own, outside the caller's
-            if b.copies():
-                outs = b.traced() if b.tag.reshard_after_forward else b.gather_in_graph(*b.stored())
-                gathers += _set_pregathered(outs, b.params)
+        # Each in a checkpoint region of its own (zero3 recomputed, zero2 saved), outside
+        # the caller's; a bucket an enclosing root already gathered is not gathered again.
+        gathers += pregather_buckets(state.buckets)
         for g in state.params.values():
             if (g.bucket is None and g.pregathered is None and not g.tag.reshard_after_forward
                     and g.copies(g.module_info.stored)):
-                g.pregathered = g.gather_in_graph(g.module_info.stored)
+                g.pregathered = g.traced(g.module_info.stored)
                 gathers.append(g)
     return gathers
 
@@ -175,6 +176,8 @@ def pregather_buckets(buckets) -> list[ParamGather]:
     """In compiled code, a bucket root's ``forward`` gathers its buckets not gathered
     yet (Note [Compiled buckets] in ``_bucket.py``), each in its own checkpoint region."""
     gathers = []
+    if not flags.active:
+        return gathers
     for b in buckets:
         if b.copies() and b.params[0].pregathered is None:
             gathers += _set_pregathered(b.traced(), b.params)

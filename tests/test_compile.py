@@ -50,13 +50,18 @@ def _counting_backend(counts: collections.Counter, fsdp_group: str):
 
 
 def _llama(mesh, reshard, ac, bucket="blocks", mp=None):
-    """``ac``: fsdptag's ``apply_ac`` mode, or "plain checkpoint": each block's forward
-    under a plain non-reentrant checkpoint (Hugging Face's way), inside the compiled block."""
+    """``ac``: fsdptag's ``apply_ac`` mode (applied after ``parametrize``, or before with
+    " before parametrize"), or "plain checkpoint": each block's forward under a plain
+    non-reentrant checkpoint (Hugging Face's way), inside the compiled block."""
     torch.manual_seed(0)
     model = Llama(CFG)
     model.init_weights()
+    if ac.endswith(" before parametrize"):
+        fsdptag.apply_ac(model, ac.removesuffix(" before parametrize"))
     fsdptag.parametrize(model, mesh, reshard_after_forward=reshard, bucket=bucket, mp_policy=mp)
-    if ac == "plain checkpoint":
+    if ac.endswith(" before parametrize"):
+        pass
+    elif ac == "plain checkpoint":
         for block in model.layers:
             block.forward = functools.partial(_plainly_checkpointed, block.forward)
     else:
@@ -99,7 +104,8 @@ def _graph_counts(mesh, dp_rank):
     fsdp_group = mesh.get_group().group_name
     rows = {}
     for reshard in (False, True):
-        for ac in ("none", "selective", "plain checkpoint") if not reshard else ("none", "full"):
+        for ac in (("none", "selective", "plain checkpoint") if not reshard
+                   else ("none", "full", "full before parametrize")):
             tokens = _tokens(dp_rank)
             with CollectiveCounter(mesh) as cc:  # (a dispatch mode: dynamo would not compile under it)
                 F.cross_entropy(_llama(mesh, reshard, ac)(tokens).float().flatten(0, 1), tokens.flatten()).backward()
@@ -272,7 +278,8 @@ zero2 ac=none: eager 3/0 | compiled block: backward graphs 1, forward fsdp all-g
 zero2 ac=selective: eager 3/0 | compiled block: backward graphs 1, forward fsdp all-gathers 1, forward graphs 1
 zero2 ac=plain checkpoint: eager 3/0 | compiled block: backward graphs 1, forward fsdp all-gathers 1, forward graphs 1
 zero3 ac=none: eager 3/3 | compiled block: backward fsdp all-gathers 1, backward graphs 1, forward fsdp all-gathers 1, forward graphs 1
-zero3 ac=full: eager 3/3 | compiled block: backward fsdp all-gathers 1, backward graphs 1, forward fsdp all-gathers 1, forward graphs 1""")
+zero3 ac=full: eager 3/3 | compiled block: backward fsdp all-gathers 1, backward graphs 1, forward fsdp all-gathers 1, forward graphs 1
+zero3 ac=full before parametrize: eager 3/3 | compiled block: backward fsdp all-gathers 1, backward graphs 1, forward fsdp all-gathers 1, forward graphs 1""")
 
 
 def test_compiled_numerics_match_eager(results):
