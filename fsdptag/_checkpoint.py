@@ -49,7 +49,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
 from ._api import ACMode
 from ._bucket import scoped
-from ._blocks import AC_CONTEXT_FN, find_blocks
+from ._blocks import AC_CONTEXT_FN, find_blocks, is_checkpointed
 from ._class_swap import swap_class, user_class
 from ._compat import SACCachedMode, SACCachingMode, is_compiling, is_sac_replay_error
 from ._state import drop_pregathered, make_bucket_root, module_state, pregather
@@ -280,7 +280,6 @@ def checkpoint_context_fn(base=None, *, policy_factory: Callable[[], Any] | None
 
 # ---------------------------------------------------------------- apply_ac
 
-_AC_CONTEXT_FN = AC_CONTEXT_FN
 _AC_FULL = "_fsdptag_ac_full"  # full AC: plain checkpoint where that keeps zero2 gathered
 
 
@@ -290,7 +289,7 @@ def _checkpointed_forward(cls: type) -> dict:
         if is_compiling():  # Note [Compiled gathers]
             gathers = pregather(self)
             try:
-                return checkpoint(fn, *args, use_reentrant=False, context_fn=self.__dict__[_AC_CONTEXT_FN],
+                return checkpoint(fn, *args, use_reentrant=False, context_fn=self.__dict__[AC_CONTEXT_FN],
                                   **kwargs)
             finally:
                 drop_pregathered(gathers)
@@ -299,7 +298,7 @@ def _checkpointed_forward(cls: type) -> dict:
             fn = scoped(state.buckets, fn)
         if self.__dict__.get(_AC_FULL) and _zero2_gathers_kept(self):
             return checkpoint(fn, *args, use_reentrant=False, **kwargs)
-        return checkpoint(fn, *args, use_reentrant=False, context_fn=self.__dict__[_AC_CONTEXT_FN], **kwargs)
+        return checkpoint(fn, *args, use_reentrant=False, context_fn=self.__dict__[AC_CONTEXT_FN], **kwargs)
 
     return {"forward": forward}
 
@@ -376,7 +375,7 @@ def _parse_ac(model, mode, blocks, save_ops, layer_every):
             )
     blocks = list(blocks)
     for block in blocks:
-        if _AC_CONTEXT_FN in block.__dict__:
+        if is_checkpointed(block):
             raise ValueError(f"{type(block).__name__} already has activation checkpointing applied")
     if save_ops is not None:
         base = _SaveOps(save_ops, every_other_mm=False)
@@ -401,6 +400,6 @@ def checkpoint_blocks(
         if (i + 1) % every:
             continue
         make_bucket_root(block)  # Note [Checkpointed bucket roots]
-        block.__dict__[_AC_CONTEXT_FN] = make_context_fn()
+        block.__dict__[AC_CONTEXT_FN] = make_context_fn()
         block.__dict__[_AC_FULL] = full
         swap_class(block, "Checkpointed", _checkpointed_forward)

@@ -219,8 +219,7 @@ class ParamGather:
         self.tp_placements = tp_placements
         self.shape = shape
         self.stride = contiguous_strides(shape)
-        self.handouts = root.handouts  # the root's check of per-parameter handouts
-        self.root = root
+        self.root = root  # its check of per-parameter handouts; whether dynamo traces it
         self.bucket: Bucket | None = None  # set when bucketed (Note [Buckets])
         self.pregathered: torch.Tensor | None = None  # Note [Compiled gathers]
         # zero2 gathers kept for a checkpoint's recompute (Note [zero2 kept until backward])
@@ -244,7 +243,7 @@ class ParamGather:
         copies = self.copies(stored)
         gathered = self.gather(stored, tagged=flags.tagging, copies=copies)
         if copies:  # otherwise the handout is the stored parameter itself
-            self.handouts.record(gathered, self.fqn)
+            self.root.handouts.record(gathered, self.fqn)
         return gathered
 
     def copies(self, stored: DTensor) -> bool:

@@ -73,7 +73,7 @@ def _launch_once(world_size: int, worker: Callable, *args, timeout_s: float) -> 
             where = ", ".join(f"rank {r}: {_read(os.path.join(progress, str(r)))}" for r in range(world_size))
             faults = "".join(_read(os.path.join(progress, f"fault{r}"), "") for r in range(world_size))
             # SIGSEGV only: gloo aborts (SIGABRT) a rank on mismatched collectives, a real failure
-            error = _RankCrashed if "terminated with signal SIGSEGV" in str(e) else RuntimeError
+            error = _RankCrashed if getattr(e, "signal_name", None) == "SIGSEGV" else RuntimeError
             raise error(f"{worker.__name__} on {world_size} ranks died ({where}): {e}"
                         + (f"\n{faults}" if faults else "")) from e
         finally:

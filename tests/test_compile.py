@@ -56,15 +56,14 @@ def _llama(mesh, reshard, ac, bucket="blocks", mp=None):
     torch.manual_seed(0)
     model = Llama(CFG)
     model.init_weights()
-    if ac.endswith(" before parametrize"):
+    before = ac.endswith(" before parametrize")
+    if before:
         fsdptag.apply_ac(model, ac.removesuffix(" before parametrize"))
     fsdptag.parametrize(model, mesh, reshard_after_forward=reshard, bucket=bucket, mp_policy=mp)
-    if ac.endswith(" before parametrize"):
-        pass
-    elif ac == "plain checkpoint":
+    if ac == "plain checkpoint":
         for block in model.layers:
             block.forward = functools.partial(_plainly_checkpointed, block.forward)
-    else:
+    elif not before:
         fsdptag.apply_ac(model, ac)
     return model
 
