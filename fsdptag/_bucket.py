@@ -23,8 +23,8 @@ and gradients are all-reduced.
   nothing: compute gets aliases of the stored shards.
 * Backward: one ``_chunk_cat`` packs the gradients (padding included) into the
   reduce-scatter input in ``reduce_dtype``, one ``reduce_scatter_tensor``
-  (sum; HSDP then one ``all_reduce`` over the replicate dim, DDP only that;
-  then the average);
+  (HSDP then one ``all_reduce`` over the replicate dim, DDP only that), averaging
+  as FSDP2 does (Note [Gradient reduction] in ``_collectives.py``);
   each gradient is a view into the result, wrapped as a DTensor like its parameter.
 
 The gather runs at the first access to any of the bucket's parameters inside the
@@ -83,7 +83,7 @@ Note [Compiled buckets]
 Inside ``torch.compile`` a bucket is gathered as in eager, one all-gather for its
 parameters, but traced: ``gather_in_graph`` pads and concatenates the local shards,
 then ``_BucketCollectives`` casts and all-gathers (backward: the gradient in
-``reduce_dtype``, reduce-scattered, HSDP all-reduced, averaged), and one
+``reduce_dtype``, reduced by the same ``reduce_gradient`` as eager's), and one
 ``split_with_sizes_copy`` copies the parameters out; the same ops in the same order
 as eager, so ``aot_eager`` is bitwise equal to eager. There are no scopes in compiled
 code: a bucket root's ``forward`` gathers its buckets up front and hands each
@@ -130,6 +130,7 @@ from ._compat import (
     in_backward,
     on_compile_start,
 )
+from ._collectives import GradientReduction, gradient_reduction, reduce_gradient
 from ._keep import KeptGather, Keeper
 from ._param import ParamGather, recompute_everything, save_everything, makes_copy
 from ._tag import FSDPTag, FSDPTaggedTensor, check_unchanged, mark_gathered
@@ -297,6 +298,11 @@ class Bucket:
             if self.copies() and not torch.is_inference_mode_enabled():
                 scope.versions = {p: t._version for p, t in scope.gathered.items()}
         return scope.gathered[param]
+
+    def reduction(self, dtype: torch.dtype) -> GradientReduction:
+        """How its gradient, reduced in ``dtype``, is averaged (Note [Gradient reduction]
+        in ``_collectives.py``)."""
+        return gradient_reduction(self.world, self.group_name, self.replicas, self.replicate_group, dtype)
 
     def copies(self) -> bool:
         """Whether a gather makes new tensors (a collective or a cast)."""
@@ -473,12 +479,7 @@ class _GatherBucket(torch.autograd.Function):
         ]
         packed = grads[0].new_empty(bucket.world, bucket.numel, dtype=bucket.reduce_dtype or grads[0].dtype)
         torch._chunk_cat(grads, dim=0, num_chunks=bucket.world, out=packed)
-        local = packed.view(-1)
-        if bucket.world > 1:
-            local = c10d.wait_tensor(c10d.reduce_scatter_tensor(local, "sum", bucket.world, bucket.group_name))
-        if bucket.replicate_group is not None:
-            local = c10d.wait_tensor(c10d.all_reduce(local, "sum", bucket.replicate_group))
-        local.div_(bucket.world * bucket.replicas)
+        local = reduce_gradient(packed.view(-1), bucket.reduction(packed.dtype))
         out = []
         for slot, spec, shape in zip(bucket.slots, ctx.specs, ctx.local_shapes):
             g = local.as_strided(shape, contiguous_strides(shape), slot.offset)
@@ -510,11 +511,8 @@ class _BucketCollectives(torch.autograd.Function):
             grad = grad.to(ctx.reduce_dtype)
         else:
             grad = grad.clone()  # averaged in place below
-        if ctx.world > 1:
-            grad = c10d.wait_tensor(c10d.reduce_scatter_tensor(grad, "sum", ctx.world, ctx.group))
-        if ctx.replicate_group is not None:
-            grad = c10d.wait_tensor(c10d.all_reduce(grad, "sum", ctx.replicate_group))
-        grad = grad.div_(ctx.world * ctx.replicas)
+        grad = reduce_gradient(grad, gradient_reduction(ctx.world, ctx.group, ctx.replicas, ctx.replicate_group,
+                                                        grad.dtype))
         if grad.dtype != ctx.in_dtype:
             grad = grad.to(ctx.in_dtype)
         return grad, None, None, None, None, None, None

@@ -25,9 +25,21 @@ fsdptag's policy looks at ``ctx.op_output`` instead:
   (it would break checkpoint's saved-tensor count).
 
 The SAC policy runs only in forward; the recompute replays decisions by per-op
-index. ``checkpoint_context_fn`` adds a check to that replay: each
+index (torch 2.13+; see the next Note for 2.11). ``checkpoint_context_fn`` adds a check to that replay: each
 ``all_gather_into_tensor`` in the recompute must gather the same parameter (by
 FQN) as the forward did at that index, or fsdptag raises naming both.
+
+Note [Policy without the output]
+--------------------------------
+torch 2.11 asks the policy *before* the op runs (no ``ctx.op_output``) and asks it
+again in the recompute (``ctx.is_recompute``), replaying saved outputs per op in
+FIFO order. There the policy tells the output's tag from the op and its inputs by
+the tag table (:func:`~fsdptag._tag.output_tag`: a tagged input keeps its tag
+through the table's ops, a view of a marked handout shares its mark), which gives
+the same decision for every op as 2.13's look at the output
+(``tests/unit/test_policy_tags.py`` checks the two agree op by op). The recompute
+mode gets a policy of its own, so a stateful base (every second ``mm``) counts
+afresh in the recompute and decides as in forward.
 
 ``apply_ac(model, "full")`` needs no policy where fsdptag keeps the block's zero2
 gathers for the recompute anyway (Note [zero2 kept until backward] in ``_keep.py``):
@@ -39,7 +51,6 @@ root) it is this policy with ``base=None``.
 
 from __future__ import annotations
 
-import collections
 import functools
 from typing import Any, Callable, Iterable, Sequence
 
@@ -51,9 +62,17 @@ from ._api import ACMode
 from ._bucket import scoped
 from ._blocks import AC_CONTEXT_FN, find_blocks, is_checkpointed
 from ._class_swap import swap_class, user_class
-from ._compat import SACCachedMode, SACCachingMode, is_compiling, is_sac_replay_error
+from ._compat import (
+    SAC_POLICY_SEES_OUTPUT,
+    SACCachedMode,
+    SACCachingMode,
+    is_compiling,
+    is_sac_replay_error,
+    sac_cached_mode_args,
+    sac_storage,
+)
 from ._state import drop_pregathered, make_bucket_root, module_state, pregather
-from ._tag import first_tag, get_fsdp_tag
+from ._tag import first_tag, get_fsdp_tag, output_tag
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -84,21 +103,23 @@ class _SaveOps:
     """Save the outputs of ``ops``, except every second ``mm`` (torchtitan's rule).
 
     Holds a per-region ``mm`` counter: ``checkpoint_context_fn`` makes a fresh
-    copy for each checkpointed call.
+    copy for each checkpointed call. Forward and recompute count apart, as
+    torchtitan's policy does: torch 2.11 asks the policy in the recompute too, and
+    torch's own ``create_selective_checkpoint_contexts`` hands both modes one object.
     """
 
     def __init__(self, ops: Iterable, every_other_mm: bool = True) -> None:
         self.ops = frozenset(ops)
         self.every_other_mm = every_other_mm
-        self.mm_count = 0
+        self.mm_count = [0, 0]  # forward, recompute
 
     def fresh(self) -> "_SaveOps":
         return _SaveOps(self.ops, self.every_other_mm)
 
     def __call__(self, ctx, func, *args, **kwargs) -> CheckpointPolicy:
         if func is aten.mm.default and self.every_other_mm:
-            self.mm_count += 1
-            if self.mm_count % 2 == 0:
+            self.mm_count[ctx.is_recompute] += 1
+            if self.mm_count[ctx.is_recompute] % 2 == 0:
                 return CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.MUST_SAVE if func in self.ops else CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -143,7 +164,7 @@ def checkpoint_policy(base=None) -> Policy:
     save, recompute = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.MUST_RECOMPUTE
 
     def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
-        tag = first_tag(ctx.op_output)
+        tag = first_tag(ctx.op_output) if SAC_POLICY_SEES_OUTPUT else output_tag(func, args)
         if tag is None:
             return base_fn(ctx, func, *args, **kwargs)
         if not tag.reshard_after_forward and func is _ALL_GATHER:
@@ -183,8 +204,8 @@ class _CheckingCachedMode(SACCachedMode):
 
     _should_skip_dynamo = _RecordingCachingMode._should_skip_dynamo
 
-    def __init__(self, storage, gathered: list) -> None:
-        super().__init__(None, storage)
+    def __init__(self, policy_fn, storage, gathered: list) -> None:
+        super().__init__(*sac_cached_mode_args(policy_fn, storage))
         self.gathered = gathered
         self.gather_idx = 0
         self.replays = 0
@@ -268,11 +289,12 @@ def checkpoint_context_fn(base=None, *, policy_factory: Callable[[], Any] | None
             return fresh_base(base)
 
     def context_fn():
-        storage: dict = collections.defaultdict(dict)
+        storage = sac_storage()
         gathered: list = []
         return (
             _RecordingCachingMode(checkpoint_policy(make_base()), storage, gathered),
-            _CheckingCachedMode(storage, gathered),
+            # its own policy: torch 2.11 asks it again, with a fresh count of its own
+            _CheckingCachedMode(checkpoint_policy(make_base()), storage, gathered),
         )
 
     return context_fn

@@ -13,7 +13,8 @@ SAC's error texts (``SAC_REPLAY_ERRORS``)           to re-raise replay failures 
 ``torch._functionalize_unsafe_set``                 a view's tagged wrapper aliases its base
 ``_top_saved_tensors_default_hooks``                zero3 hooks only where nobody else has any
 ``torch._C._current_graph_task_id``                 "inside backward" (``in_backward``), which one
-``_top_saved_tensors_default_hooks``                whose saved-tensor hooks are active
+``_top_saved_tensors_default_hooks``                whose saved-tensor hooks are active (a
+                                                   checkpoint's: defined in ``torch.utils.checkpoint``)
 ``_execution_engine.queue_callback``               a callback at the end of the running backward
 ``DeviceMesh._concatenate``                         the (dp, tp) mesh of a TP parameter
 ``unset_fake_temporarily``                          mesh bookkeeping while estimating on fakes
@@ -22,6 +23,11 @@ SAC's error texts (``SAC_REPLAY_ERRORS``)           to re-raise replay failures 
 ``placement_types._StridedShard``                   FSDP sharding a dim TP already shards
 ``_functional_collectives.AsyncCollectiveTensor``  the all-gather output before its wait
 ``testing._internal...fake_pg.FakeStore``           the estimator's ``fake`` process group
+                                                   (imported on first use, by ``fake_store``)
+``SelectiveCheckpointContext.op_output``            2.13+: the policy sees the op's output;
+                                                   2.11: derived (``SAC_POLICY_SEES_OUTPUT``)
+``flop_counter`` SDPA formulas                      2.11's assert equal q / kv heads (GQA):
+                                                   widened (``gqa_sdpa_flop_formulas``)
 ``StorageWeakRef``, ``UntypedStorage._expired`` /   the live-storage tracker: weak references
 ``_new_with_weak_ptr``                              to storages, checked without reviving them
 ``_dynamo.callback_handler`` start callbacks       unbinding bucket storage before dynamo
@@ -47,18 +53,24 @@ code with attention hits it (HF's ``gradient_checkpointing_enable()`` with
 fsdptag-free reproduction is in docs/compile.md. ``fix_compiled_rng_states``
 wraps ``functionalize_rng_ops`` to move the RNG states before the opaque objects,
 in the forward's outputs and the backward's inputs alike; it changes nothing where
-no opaque object is saved, so a torch that fixes the bug is unaffected.
+no opaque object is saved, so a torch that fixes the bug is unaffected. torch 2.14
+still has the bug, but no longer counts SDPA without dropout as random (a dropout
+in the region still hits it); torch 2.11 saves no opaque nodes, so it has no bug
+and the fix is not installed there. ``tests/test_compat.py`` pins all three.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
+import importlib
+import inspect
 import operator
 
 import torch
 import torch._dynamo  # parametrize's DTensor ops import it anyway
 import torch._functorch.partitioners as partitioners
-from torch._functorch._aot_autograd.graph_compile import is_opaque_node
+from torch._functorch._aot_autograd import graph_compile
 from torch._prims_common import make_contiguous_strides_for
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
@@ -66,13 +78,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.utils import _apply_to_tensors
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
+from torch.utils.checkpoint import SelectiveCheckpointContext, _CachedTorchDispatchMode, _CachingTorchDispatchMode
 
 __all__ = [
     "AsyncCollectiveTensor",
-    "FakeStore",
+    "SAC_POLICY_SEES_OUTPUT",
+    "fake_store",
     "SACCachedMode",
     "SACCachingMode",
     "StorageWeakRef",
@@ -90,11 +102,15 @@ __all__ = [
     "on_compile_start",
     "is_sac_replay_error",
     "others_saved_tensor_hooks_active",
+    "gqa_sdpa_flop_formulas",
+    "sac_cached_mode_args",
+    "sac_storage",
     "set_alias_storage",
     "storage_expired",
     "storage_from_weak",
     "storage_use_count",
-    "top_saved_tensor_pack_hook",
+    "top_saved_tensor_hooks",
+    "is_checkpoint_hook",
     "unset_fake_temporarily",
 ]
 
@@ -105,6 +121,71 @@ apply_to_tensors = _apply_to_tensors
 is_compiling = torch.compiler.is_compiling  # public; here so the runtime has one source
 storage_expired = torch.UntypedStorage._expired  # (weak cdata) -> bool
 storage_from_weak = torch.UntypedStorage._new_with_weak_ptr  # (weak cdata) -> storage
+
+# torch 2.13+ calls a selective-checkpoint policy after the op ran, with its output as
+# ``ctx.op_output``, and replays the recompute by op index without asking the policy;
+# torch 2.11/2.12 call it before the op (no output) in forward *and* recompute, and
+# replay per op from a FIFO. Note [Policy without the output] in ``_checkpoint.py``.
+SAC_POLICY_SEES_OUTPUT = "op_output" in inspect.signature(SelectiveCheckpointContext.__init__).parameters
+
+# torch 2.13+ saves opaque objects (a DTensor's DeviceMesh) in compiled graphs as
+# opaque nodes, which is what Note [Compiled checkpoint, DeviceMesh saved] is about;
+# torch 2.11 has neither the nodes nor the bug.
+is_opaque_node = getattr(graph_compile, "is_opaque_node", None)
+
+
+_SDPA_FORWARD = ("_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+                 "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+
+
+def gqa_sdpa_flop_formulas(formulas: dict) -> dict:
+    """``formulas`` (``FlopCounterMode``'s, by op packet) with the SDPA ones counting
+    grouped-query attention: torch 2.13+ counts key/value heads broadcast to the
+    query's; torch 2.11's formulas assert equal head counts, so there the key and value
+    shapes are widened to the query's heads first (the same count)."""
+    aten = torch.ops.aten
+    probe = formulas[aten._scaled_dot_product_flash_attention]
+    q, kv = torch.empty(1, 4, 2, 8, device="meta"), torch.empty(1, 2, 2, 8, device="meta")
+    try:
+        probe(q, kv, kv, out_val=None)
+        return dict(formulas)
+    except AssertionError:
+        pass
+    out = dict(formulas)
+    for name in _SDPA_FORWARD:
+        for op, q_at in ((getattr(aten, name, None), 0), (getattr(aten, f"{name}_backward", None), 1)):
+            if op is not None and op in formulas:
+                out[op] = _widen_kv(formulas[op], q_at)
+    return out
+
+
+def _widen_kv(formula, q_at: int):
+    def counted(*args, **kwargs):
+        q, k, v = args[q_at:q_at + 3]
+        if k.shape[1] != q.shape[1]:
+            k, v = (torch.empty(t.shape[0], q.shape[1], *t.shape[2:], device="meta") for t in (k, v))
+            args = (*args[:q_at + 1], k, v, *args[q_at + 3:])
+        return formula(*args, **kwargs)
+
+    return counted
+
+
+def sac_storage() -> collections.defaultdict:
+    """A fresh storage shared by SAC's two modes: per op, the saved outputs by op index
+    (2.13+), or a FIFO (2.11, which also asks the policy in the recompute)."""
+    return collections.defaultdict(dict if SAC_POLICY_SEES_OUTPUT else list)
+
+
+def sac_cached_mode_args(policy, storage) -> tuple:
+    """The arguments of SAC's recompute mode: the policy (asked again by torch 2.11,
+    ignored by 2.13+), the storage, no cache mutation."""
+    return policy, storage, False
+
+
+def fake_store():
+    """A ``FakeStore`` for the ``fake`` process group (the estimator's, the tests').
+    Imported on first use: ``torch.testing`` is not part of ``import fsdptag``."""
+    return importlib.import_module("torch.testing._internal.distributed.fake_pg").FakeStore()
 
 
 def on_compile_start(fn) -> None:
@@ -143,7 +224,10 @@ def _rng_states_before_opaque(fw_module: torch.fx.GraphModule, bw_module: torch.
 
 
 def fix_compiled_rng_states() -> None:
-    """Install the fix of Note [Compiled checkpoint, DeviceMesh saved] (idempotent)."""
+    """Install the fix of Note [Compiled checkpoint, DeviceMesh saved] (idempotent),
+    on a torch whose partitioner saves opaque nodes (2.13+) only."""
+    if is_opaque_node is None:
+        return
     original = partitioners.functionalize_rng_ops
     if getattr(original, "_fsdptag_fix", False):
         return
@@ -202,10 +286,14 @@ def at_backward_end(fn) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(fn)
 
 
-def top_saved_tensor_pack_hook():
-    """The pack function of the innermost active saved-tensor hooks, or None."""
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    return None if hooks is None else hooks[0]
+def top_saved_tensor_hooks() -> tuple | None:
+    """``(pack, unpack)`` of the innermost active saved-tensor hooks, or None."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+def is_checkpoint_hook(pack) -> bool:
+    """Whether ``pack`` is a non-reentrant checkpoint region's (forward or recompute)."""
+    return getattr(pack, "__module__", None) == "torch.utils.checkpoint"
 
 
 def others_saved_tensor_hooks_active() -> bool:

@@ -17,8 +17,8 @@ Who holds it, and until when:
 ================================  ==========================================  =================================
 the forward's gather runs          detected by                                 held by, until
 ================================  ==========================================  =================================
-in a non-reentrant checkpoint      saved-tensor hooks active (not fsdptag's)   the gather's autograd node, until
-                                                                               its backward (the reduce-scatter)
+in a non-reentrant checkpoint      saved-tensor hooks active (not fsdptag's:   the gather's autograd node, until
+                                   Note [Whose saved-tensor hooks])            its backward (the reduce-scatter)
 in a reentrant checkpoint          grad off inside a root forward that         the bucket ("pinned"), until the
                                    started with grad on                        recompute's node takes it over, or
                                                                                the next root forward
@@ -51,14 +51,13 @@ import torch
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._compat import contiguous_strides, current_sac_region, in_backward, top_saved_tensor_pack_hook
+from ._compat import contiguous_strides, current_sac_region, in_backward
+from ._context import Hooks, saved_tensor_hooks
 from ._tag import FSDPTaggedTensor, get_fsdp_tag
 
 __all__ = ["KeptGather", "Keeper", "ServeAllGather"]
 
 c10d = torch.ops._c10d_functional
-
-FSDPTAG_HOOK = "_fsdptag_hook"  # marks fsdptag's own saved-tensor hooks (zero3)
 
 
 class KeptGather:
@@ -96,8 +95,10 @@ class Keeper:
         if in_backward() or torch.is_inference_mode_enabled() or current_sac_region() is not None:
             return None
         if torch.is_grad_enabled():
-            pack = top_saved_tensor_pack_hook()
-            return "node" if pack is not None and not getattr(pack, FSDPTAG_HOOK, False) else None
+            # a checkpoint's hooks, or hooks nobody knows that may be one (Note [Whose
+            # saved-tensor hooks] in _context.py); under fsdptag's own, autograd keeps it
+            whose, _ = saved_tensor_hooks()
+            return "node" if whose in (Hooks.CHECKPOINT, Hooks.OTHER) else None
         return "pin" if self.training_forward() else None
 
     def keep(self, entry: KeptGather, how: str, node) -> None:

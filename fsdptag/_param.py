@@ -54,7 +54,6 @@ are bitwise those of eager), SimpleFSDP style:
 from __future__ import annotations
 
 import contextlib
-import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator
@@ -86,7 +85,12 @@ __all__ = [
 ]
 
 
-class _Flags(threading.local):
+class _Flags:
+    """Process-wide switches, deliberately not thread-local: on CUDA the autograd
+    engine runs backward (and so every checkpoint recompute) on a per-device thread of
+    its own, which must see what the forward saw, or a recompute replays other ops
+    than its forward ran (``tests/unit/test_threads.py``)."""
+
     active = True  # parameter access gathers (False: it returns the stored DTensor)
     tagging = True  # gathers carry the tag (False: for overhead measurements only)
 

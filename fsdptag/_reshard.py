@@ -24,27 +24,31 @@ padding and unpadding), so the buffer layout matches and ``as_strided`` is the
 same view. Parameters whose gathered value backward never needs (embedding
 tables, biases) are never packed, so never re-gathered.
 
-Hooks are installed only when no other saved-tensor hooks are active and we
-are not inside backward. Inside an activation-checkpointed region
-``torch.utils.checkpoint`` owns the saved tensors (its hooks are innermost), and
-there fsdptag's checkpoint policy decides; the region's recompute runs in
-backward, so the root's hooks are never pushed a second time. This is what keeps
-a checkpointed zero3 block at one re-gather per parameter.
+Hooks are not pushed inside backward, nor over a checkpoint region's: inside an
+activation-checkpointed region ``torch.utils.checkpoint`` owns the saved tensors
+(its hooks are innermost), and there fsdptag's checkpoint policy decides; the
+region's recompute runs in backward, so the root's hooks are never pushed a second
+time. This is what keeps a checkpointed zero3 block at one re-gather per
+parameter. Over anyone else's hooks (``save_on_cpu``) they are pushed, composed
+with them: Note [Whose saved-tensor hooks] in ``_context.py``.
 """
 
 from __future__ import annotations
+
+import contextlib
+from typing import Iterator
 
 import torch
 import torch.nn as nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed.tensor import DTensor
 
-from ._compat import in_backward, others_saved_tensor_hooks_active
-from ._keep import FSDPTAG_HOOK
+from ._compat import in_backward
+from ._context import FSDPTAG_HOOK, Hooks, saved_tensor_hooks
 from ._param import ParamGather
 from ._tag import get_fsdp_tag, innermost as _innermost
 
-__all__ = ["Zero3SavedTensorHooks"]
+__all__ = ["SavedTensorHooks"]
 
 
 class _Regather:
@@ -98,49 +102,86 @@ class _PackedView:
         return DTensor(view, self.spec, requires_grad=False)
 
 
-class Zero3SavedTensorHooks:
-    """The zero3 pack/unpack hooks, pushed for the root's forward by its state."""
+class _Theirs:
+    """A tensor packed by someone else's hooks under fsdptag's (Note [Whose saved-tensor
+    hooks] in ``_context.py``), and their unpack."""
+
+    __slots__ = ("packed", "unpack")
+
+    def __init__(self, packed, unpack) -> None:
+        self.packed, self.unpack = packed, unpack
+
+
+class SavedTensorHooks:
+    """fsdptag's pack/unpack hooks (Note [zero3 by saved-tensor hooks]), pushed for the
+    root's forward where nobody has hooks and the model has zero3 parameters, and over
+    someone else's hooks at the root's or a bucket root's forward (Note [Whose
+    saved-tensor hooks] in ``_context.py``)."""
 
     def __init__(self, params: dict[str, ParamGather]) -> None:
         self.params = params  # fqn -> its gather
+        self.zero3 = any(p.tag.reshard_after_forward for p in params.values())
         self._stack: list = []
         self._regathers: dict[str, _Regather] | None = None
+        self._theirs: tuple | None = None  # (pack, unpack) fsdptag's hooks were pushed over
 
     def pre_forward(self) -> None:
-        usable = (
-            torch.is_grad_enabled()
-            and not in_backward()  # not a recompute inside backward
-            and not others_saved_tensor_hooks_active()
-        )
-        if not usable:
-            self._stack.append(None)
-            return
-        ctx = saved_tensors_hooks(self._pack, self._unpack)
-        ctx.__enter__()
-        self._stack.append((ctx, self._regathers))
-        self._regathers = {}
+        """The root's forward starts."""
+        self._stack.append(self._push(self.zero3))
 
     def post_forward(self) -> None:  # also when forward raised
-        entry = self._stack.pop()
+        self._pop(self._stack.pop())
+
+    @contextlib.contextmanager
+    def over_others(self) -> Iterator[None]:
+        """A bucket root's forward: on top of someone else's hooks opened inside the
+        root's forward (Hugging Face's per-layer offload), if any."""
+        entry = self._push(False)
+        try:
+            yield
+        finally:
+            self._pop(entry)
+
+    def _push(self, when_none: bool):
+        if not torch.is_grad_enabled() or in_backward():  # no saving, or a recompute
+            return None
+        whose, top = saved_tensor_hooks()
+        if whose is Hooks.OTHER or (whose is Hooks.NONE and when_none):
+            ctx = saved_tensors_hooks(self._pack, self._unpack)
+            ctx.__enter__()
+            entry = (ctx, self._regathers, self._theirs)
+            if self._regathers is None:
+                self._regathers = {}
+            self._theirs = top
+            return entry
+        return None
+
+    def _pop(self, entry) -> None:
         if entry is not None:
-            ctx, self._regathers = entry
+            ctx, self._regathers, self._theirs = entry
             ctx.__exit__(None, None, None)
 
     def _pack(self, t: torch.Tensor):
-        if type(t) is nn.Parameter:
-            return t
-        tag = get_fsdp_tag(t)  # views of a gathered parameter: by its mark
-        if tag is None or not tag.reshard_after_forward:
-            return t
-        param = self.params[tag.fqn]  # (a handout that is no copy has no tag)
+        tag = None if type(t) is nn.Parameter else get_fsdp_tag(t)  # views of a gathered parameter: by its mark
+        if tag is None:  # an activation (or a handout that is no copy: it has no tag)
+            if self._theirs is None:
+                return t
+            return _Theirs(self._theirs[0](t), self._theirs[1])
+        if not tag.reshard_after_forward:
+            return t  # zero2: gathered until backward, where it is
+        param = self.params[tag.fqn]
         source = param.bucket if param.bucket is not None else param
         regather = self._regathers.get(source.tag.fqn)
         if regather is None:
             regather = self._regathers[source.tag.fqn] = _Regather(source.regather)
         return _PackedView(regather, param, t)
 
-    setattr(_pack, FSDPTAG_HOOK, True)  # not a user's checkpoint (Note [zero2 kept until backward])
+    setattr(_pack, FSDPTAG_HOOK, True)  # Note [Whose saved-tensor hooks]
 
     @staticmethod
     def _unpack(x):
-        return x.unpack() if isinstance(x, _PackedView) else x
+        if isinstance(x, _PackedView):
+            return x.unpack()
+        if isinstance(x, _Theirs):
+            return x.unpack(x.packed)
+        return x

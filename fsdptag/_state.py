@@ -13,11 +13,12 @@ pre-forward
   1. open the frame of per-parameter handouts (their in-place check)
   2. prefetch: forget the last forward's unclaimed all-gathers, start recording
      this forward's bucket order (Note [Prefetch] in ``_prefetch.py``)
-  3. zero3: push the saved-tensor hooks (Note [zero3 by saved-tensor hooks])
+  3. push fsdptag's saved-tensor hooks: zero3 (Note [zero3 by saved-tensor hooks]),
+     or over someone else's (Note [Whose saved-tensor hooks] in ``_context.py``)
   4. cast floating-point inputs, nested ones too, to ``param_dtype``
 
 post-forward
-  1. zero3: pop the saved-tensor hooks
+  1. pop fsdptag's saved-tensor hooks, if pushed
   2. prefetch: wait out unclaimed all-gathers, keep the order for the next forward
   3. check the per-parameter handouts for in-place changes, unless ``forward``
      raised (that error is the one to see)
@@ -43,7 +44,7 @@ from ._class_swap import swap_class
 from ._compat import apply_to_tensors, at_backward_end, in_backward, is_compiling
 from ._param import Handouts, ParamGather, flags
 from ._prefetch import Prefetcher
-from ._reshard import Zero3SavedTensorHooks
+from ._reshard import SavedTensorHooks
 
 __all__ = ["ModuleState", "RootState", "drop_pregathered", "make_bucket_root", "module_state", "pregather"]
 
@@ -56,7 +57,7 @@ class RootState:
     def __init__(self, mp: MixedPrecisionPolicy, prefetch: bool) -> None:
         self.handouts = Handouts()
         self.prefetcher = Prefetcher() if prefetch else None
-        self.zero3: Zero3SavedTensorHooks | None = None
+        self.saved_hooks: SavedTensorHooks | None = None
         self.cast_dtype = mp.param_dtype if mp.cast_forward_inputs else None
         self.handles: list[RemovableHandle] = []  # every hook fsdptag registered on the model
         self.buckets: list[Bucket] = []
@@ -88,8 +89,7 @@ class RootState:
         self.buckets = buckets
         if self.prefetcher is not None and not buckets:
             self.prefetcher = None  # nothing to prefetch
-        if any(p.tag.reshard_after_forward for p in params.values()):
-            self.zero3 = Zero3SavedTensorHooks(params)
+        self.saved_hooks = SavedTensorHooks(params)
         self.handles += [
             root.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
             root.register_forward_hook(self._post_forward, always_call=True),
@@ -109,8 +109,7 @@ class RootState:
         self.handouts.open()
         if self.prefetcher is not None:
             self.prefetcher.pre_forward()
-        if self.zero3 is not None:
-            self.zero3.pre_forward()
+        self.saved_hooks.pre_forward()
         if self.cast_dtype is not None:
             return apply_to_tensors(self._cast, (args, kwargs))
         return None
@@ -126,8 +125,7 @@ class RootState:
         # raised: then the exception being handled is a new one.
         raised = sys.exc_info()[1] is not self._errors_at_entry.pop()
         self._training.pop()
-        if self.zero3 is not None:
-            self.zero3.post_forward()
+        self.saved_hooks.post_forward()
         if self.prefetcher is not None:
             self.prefetcher.post_forward()
         self.handouts.close(check=not raised)
@@ -322,7 +320,9 @@ def _bucket_root_methods(cls: type) -> dict:
                 return cls.forward(self, *args, **kwargs)
             finally:
                 drop_pregathered(gathers)
-        return scoped(self.__dict__[_STATE].buckets, functools.partial(cls.forward, self))(*args, **kwargs)
+        state = self.__dict__[_STATE]
+        with state.root.saved_hooks.over_others():  # Note [Whose saved-tensor hooks] in _context.py
+            return scoped(state.buckets, functools.partial(cls.forward, self))(*args, **kwargs)
 
     def _apply(self, fn, *args, **kwargs):
         out = cls._apply(self, fn, *args, **kwargs)

@@ -69,7 +69,8 @@ from ._compat import AsyncCollectiveTensor, set_alias_storage
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
-__all__ = ["FSDPTag", "FSDPTaggedTensor", "is_fsdp_tagged", "get_fsdp_tag", "tag_shard", "mark_gathered"]
+__all__ = ["FSDPTag", "FSDPTaggedTensor", "is_fsdp_tagged", "get_fsdp_tag", "mark_gathered", "output_tag",
+           "tag_shard"]
 
 
 @dataclass(frozen=True)
@@ -241,8 +242,11 @@ def _rewrap_new(func, tag, args, kwargs, out):
 @_keeps_tag(aten.split_with_sizes_copy.default)
 def _rewrap_parts(func, tag, args, kwargs, out):
     # A bucket's copy-out (Note [Buckets] in _bucket.py): piece i is parameter i.
-    parts = tag.parts if len(tag.parts) == len(out) else (tag,) * len(out)
-    return [FSDPTaggedTensor(x, t) for x, t in zip(out, parts)]
+    return [FSDPTaggedTensor(x, t) for x, t in zip(out, _parts(tag, len(out)))]
+
+
+def _parts(tag: FSDPTag, n: int) -> tuple[FSDPTag, ...]:
+    return tag.parts if len(tag.parts) == n else (tag,) * n
 
 
 @_keeps_tag(
@@ -343,6 +347,47 @@ def first_tag(x: Any) -> FSDPTag | None:
     if cls is list or cls is tuple:
         x = x[0] if x else None
     return get_fsdp_tag(x) if isinstance(x, torch.Tensor) else None
+
+
+def _tagged_inside(x: Any) -> FSDPTaggedTensor | None:
+    """The ``FSDPTaggedTensor`` inside ``x``'s DTensor / AsyncCollectiveTensor wrappers."""
+    while not isinstance(x, FSDPTaggedTensor):
+        x = _peel(x)
+        if x is None:
+            return None
+    return x
+
+
+_ALIASES: dict[Any, bool] = {}
+
+
+def _aliases_input(func) -> bool:
+    """Whether ``func``'s output is a view of an input (schema alias info, not a write)."""
+    aliases = _ALIASES.get(func)
+    if aliases is None:
+        returns = getattr(func, "_schema", None) and func._schema.returns
+        aliases = _ALIASES[func] = bool(returns) and any(
+            r.alias_info is not None and not r.alias_info.is_write for r in returns)
+    return aliases
+
+
+def output_tag(func, args: tuple) -> FSDPTag | None:
+    """The tag ``func(*args)``'s output carries, told from the op and its inputs before
+    it runs (torch 2.11 asks a checkpoint policy then: Note [Policy without the output]
+    in ``_checkpoint.py``). The same answer as :func:`first_tag` of the output: an op on
+    a tagged tensor keeps the tag iff the tag table has it; a view of a marked handout
+    shares its storage, hence its mark (Note [Marked handout]); anything else is plain."""
+    for a in args:
+        items = a if type(a) in (list, tuple) else (a,)
+        for x in items:
+            inner = _tagged_inside(x)
+            if inner is not None:
+                if func is aten.split_with_sizes_copy.default:  # _rewrap_parts: the first piece's
+                    return _parts(inner.tag, len(args[1]))[0]
+                return inner.tag if func in _TAG_TABLE else None
+    if args and _aliases_input(func):
+        return first_tag(args[0])
+    return None
 
 
 def innermost(t: torch.Tensor) -> torch.Tensor:

@@ -65,7 +65,7 @@ from torch.utils.flop_counter import flop_registry
 from ._api import MixedPrecisionPolicy, ReshardPolicy
 from ._blocks import find_blocks
 from ._checkpoint import apply_ac
-from ._compat import FakeStore, in_backward
+from ._compat import fake_store, gqa_sdpa_flop_formulas, in_backward
 from ._parametrize import parametrize
 from ._plan import _reshard_resolver
 from .debug import CollectiveCounter, LiveStorageTracker
@@ -340,12 +340,12 @@ class _EagerAliasingWait(TorchDispatchMode):
 _aten = torch.ops.aten
 # FlopCounterMode's formulas; CPU's flash attention (what SDPA runs on CPU tensors,
 # fake or real) counts as the GPU kernels do (causal masks counted as full, like them).
-_FLOP_FORMULAS = {
+_FLOP_FORMULAS = gqa_sdpa_flop_formulas({
     **flop_registry,
     _aten._scaled_dot_product_flash_attention_for_cpu: flop_registry[_aten._scaled_dot_product_flash_attention],
     _aten._scaled_dot_product_flash_attention_for_cpu_backward:
         flop_registry[_aten._scaled_dot_product_flash_attention_backward],
-}
+})
 
 
 def _local(t):
@@ -632,7 +632,7 @@ def _check_config(c: StepConfig, world_size: int) -> None:
 
 
 def _run(spec: ModelSpec, world_size: int, configs: list[StepConfig]) -> Iterator[MemoryEstimate]:
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world_size)
     meshes: dict[tuple[int, int], DeviceMesh] = {}
     reuse = OptimizerReuse()
     try:

@@ -267,8 +267,6 @@ def _errors(mesh):
 
 def _sac_saved(mesh):
     """What SAC stores inside checkpointed blocks under full AC: only tagged gathers (zero2)."""
-    from torch.utils.checkpoint import _RECOMPUTE
-
     out = {}
     for reshard in (False, True):
         model = _build(mesh, "fully_shard", reshard)
@@ -284,13 +282,20 @@ def _sac_saved(mesh):
             block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False,
                                               context_fn=spy)
         loss = model(_tokens(mesh.get_local_rank())).float().sum()
-        saved = collections.Counter(
-            str(func) for store in stores for func, entries in store.items()
-            for value in entries.values() if value is not _RECOMPUTE
-        )
+        saved = collections.Counter(str(func) for store in stores for func in _saved_ops(store))
         loss.backward()
         out[f"zero{3 if reshard else 2}"] = dict(saved)
     return out
+
+
+def _saved_ops(storage):
+    """The op of every output SAC saved: torch 2.13+ keeps {op: {index: output or
+    _RECOMPUTE}}, torch 2.11 {op: [saved outputs]}."""
+    recompute = getattr(torch.utils.checkpoint, "_RECOMPUTE", None)
+    for func, entries in storage.items():
+        for value in entries.values() if isinstance(entries, dict) else entries:
+            if value is not recompute:
+                yield func
 
 
 # ---------------------------------------------------------------- launches
@@ -469,12 +474,15 @@ def test_memory_vs_op_name_policy_and_fsdp2(results, ac):
     a, b, c, extra = m["a"], m["b"], m["c"], m["b_extra"]
     assert a <= c, m
     assert extra > 0 and b - a >= extra, m
-    # The README's table (kept for backward, FSDP+TP 2x2, zero2, bf16), pinned.
-    text = f"(a) tagged {a} B, (b) op-name {b} B (TP all-gathers + casts {extra} B), (c) FSDP2 {c} B"
+    # The README's table (kept for backward, FSDP+TP 2x2, zero2, bf16), pinned on every
+    # torch; the op-name policy's own count of what it saves that is no FSDP result
+    # (README: 14848 B) is its bookkeeping, told from the op's output on torch 2.13+
+    # and from its inputs on 2.11 (fsdptag/testing/baselines.py), so only bounded here.
+    text = f"(a) tagged {a} B, (b) op-name {b} B, (c) FSDP2 {c} B"
     if ac == "selective":
-        assert_expected_inline(text, """(a) tagged 35560 B, (b) op-name 58600 B (TP all-gathers + casts 14848 B), (c) FSDP2 38248 B""")
+        assert_expected_inline(text, """(a) tagged 35560 B, (b) op-name 58600 B, (c) FSDP2 38248 B""")
     else:
-        assert_expected_inline(text, """(a) tagged 26984 B, (b) op-name 50024 B (TP all-gathers + casts 14848 B), (c) FSDP2 29672 B""")
+        assert_expected_inline(text, """(a) tagged 26984 B, (b) op-name 50024 B, (c) FSDP2 29672 B""")
 
 
 def test_full_ac_saves_only_tagged_gathers(results):

@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 import fsdptag
 from fsdptag._blocks import find_blocks
+from fsdptag._compat import SAC_POLICY_SEES_OUTPUT
 from fsdptag.debug import CollectiveCounter, LiveStorageTracker
 from fsdptag.testing.llama import Llama
 
@@ -100,9 +101,13 @@ def _fsdp2_kept(mesh, dp_rank):
         torch.manual_seed(0)
         model = Llama(CFG)
         model.init_weights()
+        # Configured like fsdptag, which casts the root's inputs only: FSDP2's blocks keep
+        # the fp32 RoPE table as it comes (torch 2.11's checkpoint also refuses the
+        # recompute of a block whose input FSDP2 cast).
         mp2 = FSDP2MP(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        block_mp = FSDP2MP(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
         for block in model.layers:
-            fully_shard(block, mesh=mesh, mp_policy=mp2, reshard_after_forward=False)
+            fully_shard(block, mesh=mesh, mp_policy=block_mp, reshard_after_forward=False)
         fully_shard(model, mesh=mesh, mp_policy=mp2, reshard_after_forward=False)
         if how in ("plain", "reentrant"):
             for block in model.layers:
@@ -158,7 +163,10 @@ def _stateful_policy(mesh, dp_rank):
         forward = block.forward
         block.forward = functools.partial(
             lambda f, *a: checkpoint(f, *a, use_reentrant=False, context_fn=ctx_fn), forward)
-        out[how] = [_train_step(model, mesh, dp_rank)[1] for _ in range(3)]
+        try:
+            out[how] = [_train_step(model, mesh, dp_rank)[1] for _ in range(3)]
+        except RuntimeError as e:  # torch 2.11 asks the shared policy in the recompute too
+            out[how] = f"replay failed: {str(e)[:60]}"
     return out
 
 
@@ -237,7 +245,7 @@ def test_zero2_keeps_no_more_than_fsdp2(results):
     for how in ("plain", "reentrant", "wrapper"):
         kept = int(rows[f"zero2 {how}"].split("kept ")[1].split(" B")[0])
         assert fsdp2[how][1] == 0 and kept <= fsdp2[how][2], (how, kept, fsdp2[how])
-    assert_expected_inline(str(fsdp2), """{'none': (3, 0, 93704), 'plain': (3, 0, 53000), 'reentrant': (3, 0, 53000), 'wrapper': (3, 0, 52488)}""")
+    assert_expected_inline(str(fsdp2), """{'none': (3, 0, 93192), 'plain': (3, 0, 52488), 'reentrant': (3, 0, 52488), 'wrapper': (3, 0, 52488)}""")
 
 
 def test_module_dict_blocks_are_buckets_and_regions(results):
@@ -254,7 +262,12 @@ def test_zero3_hooks_stay_out_of_a_recompute(results):
 def test_stateful_policy_from_a_factory_is_the_same_every_step(results):
     r = result(results, "stateful policy")
     assert len(set(r["factory"])) == 1, r
-    assert len(set(r["shared"])) > 1, r  # why the factory exists: a shared counter drifts
+    # Why the factory exists: a shared counter drifts from step to step (torch 2.13+), or
+    # runs on into the recompute, which then fails to replay (torch 2.11 asks it there too).
+    if SAC_POLICY_SEES_OUTPUT:
+        assert len(set(r["shared"])) > 1, r
+    else:
+        assert r["shared"].startswith("replay failed"), r
 
 
 # ---------------------------------------------------------------- what a block is

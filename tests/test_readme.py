@@ -1,0 +1,32 @@
+"""The README's quick start, copied out of the README and run as its user would:
+``torchrun --nproc-per-node 2 quickstart.py``."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import subprocess
+import sys
+
+README = pathlib.Path(__file__).parent.parent / "README.md"
+
+
+def _quick_start() -> str:
+    text = README.read_text()
+    section = text[text.index("## Quick start"):]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_quick_start_runs_on_two_ranks(tmp_path):
+    script = tmp_path / "quickstart.py"
+    script.write_text(_quick_start())
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    losses = {}
+    for rank, step, loss in re.findall(r"rank (\d) step (\d): loss ([\d.]+)", run.stdout):
+        losses.setdefault(int(rank), []).append(float(loss))
+    assert sorted(losses) == [0, 1] and all(len(v) == 3 for v in losses.values()), run.stdout
+    assert all(v[-1] < v[0] for v in losses.values()), losses  # it trains
