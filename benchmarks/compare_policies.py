@@ -1,8 +1,9 @@
 """Side by side on one model and inputs: how each policy handles FSDP under AC.
 
     python benchmarks/compare_policies.py --quick [--json out.json] [--plot out.png]
+    python benchmarks/compare_policies.py --device cuda --world 4      # NCCL, one GPU per rank
 
-Spawns 4 gloo ranks (``--world``) on CPU and runs, for zero2 and zero3, without TP (4-way
+Spawns 4 gloo ranks (``--world``) on CPU (``--device cuda``: NCCL ranks on GPUs) and runs, for zero2 and zero3, without TP (4-way
 FSDP) and with TP (2 dp x 2 tp, sequence parallel), each AC mode asked for:
 
   tagged    fsdptag's policy (``fsdptag.apply_ac``)
@@ -53,7 +54,7 @@ from torch.distributed.tensor import DTensor
 import fsdptag
 from fsdptag.testing.baselines import apply_baseline_ac
 from fsdptag.debug import CollectiveCounter, LiveStorageTracker, disable_tagging
-from fsdptag.testing.launch import spawn
+from fsdptag.testing.launch import rank_device, spawn
 from fsdptag.testing.llama import Llama, LlamaConfig, apply_tp
 
 DEFAULT_VARIANTS = ("tagged", "op-name", "no-fix", "fsdp2", "untagged")
@@ -96,6 +97,7 @@ def _build_eager(variant, cfg, mesh, tp, reshard, ac, bucket):
     torch.manual_seed(0)
     model = Llama(cfg)
     model.init_weights()
+    model.to(rank_device())
     if tp > 1:
         apply_tp(model, mesh["tp"])
     mode, every = _ac_args(ac)
@@ -128,6 +130,12 @@ def _step(model, optim, tokens):
     optim.zero_grad(set_to_none=True)
 
 
+def _synchronize() -> None:
+    """Step times on CUDA: the GPU's work, not only the CPU's queueing of it."""
+    if rank_device().type == "cuda":
+        torch.cuda.synchronize()
+
+
 def _untagged_if(variant):
     return disable_tagging() if variant == "untagged" else contextlib.nullcontext()
 
@@ -146,8 +154,10 @@ def _measure_group(variants, cfg, mesh, tp, reshard, ac, steps, tokens, bucket, 
         for v in variants:
             with _untagged_if(v):
                 dist.barrier()
+                _synchronize()
                 t0 = time.perf_counter()
                 _step(models[v], optims[v], tokens)
+                _synchronize()
                 times[v].append(time.perf_counter() - t0)
     return [_instrumented(v, models[v], optims[v], mesh, tp, reshard, ac, tokens,
                           statistics.median(times[v])) for v in variants]
@@ -201,7 +211,9 @@ def _instrumented(variant, model, optim, mesh, tp, reshard, ac, tokens, step_tim
         variant=variant, reshard_after_forward=reshard, tp=tp, ac=ac,
         bwd_fsdp_all_gathers=sum(1 for e in fsdp if e.phase == "backward"),
         fsdp_all_gather_bytes=sum(e.nbytes for e in fsdp),
-        saved_bytes=saved, peak_bytes=mem.peak_bytes, step_time_s=step_time,
+        saved_bytes=saved, step_time_s=step_time,
+        # on CUDA the caching allocator's peak of the step, else the tracked storages'
+        peak_bytes=mem.allocator_peak_bytes if mem.allocator_peak_bytes is not None else mem.peak_bytes,
     )
 
 
@@ -210,10 +222,10 @@ def _worker(cfg: LlamaConfig, acs, steps, batch, seq_len, bucket, tps, variants,
     world = dist.get_world_size()
     for tp in tps:
         shape, names = ((world,), ("dp",)) if tp == 1 else ((world // tp, tp), ("dp", "tp"))
-        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        mesh = init_device_mesh(rank_device().type, shape, mesh_dim_names=names)
         dp_rank = (mesh["dp"] if tp > 1 else mesh).get_local_rank()
         g = torch.Generator().manual_seed(dp_rank)
-        tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), generator=g)
+        tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), generator=g).to(rank_device())
         for reshard in (False, True):
             for ac in acs:
                 group = _measure_group(variants, cfg, mesh, tp, reshard, ac, steps, tokens, bucket, backend)
@@ -281,6 +293,8 @@ def main() -> None:
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                    help=f"comma list of {', '.join(KNOWN_VARIANTS)}")
     p.add_argument("--world", type=int, default=4, help="ranks (TP 2 needs an even number)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cpu: gloo ranks; cuda: NCCL ranks, one GPU each")
     p.add_argument("--compile", default=None, metavar="BACKEND",
                    help="compare compiled fsdptag and FSDP2 (e.g. inductor, aot_eager)")
     p.add_argument("--json", default=None)
@@ -303,10 +317,10 @@ def main() -> None:
     if any(v.endswith("+compile") for v in variants) and not args.compile:
         p.error("a +compile variant needs --compile BACKEND")
     records = spawn(args.world, _worker, cfg, acs, max(args.steps, 5), batch, seq_len, args.bucket, tps,
-                    variants, args.compile)
+                    variants, args.compile, device=args.device)
     print(f"compare_policies: dim={dim} layers={layers} batch={batch} seq={seq_len} per dp rank, "
           f"bucket={args.bucket}, "
-          f"{args.world} ranks (gloo, CPU), bf16 params, median of {max(args.steps, 5)} steps"
+          f"{args.world} ranks ({'NCCL, CUDA' if args.device == 'cuda' else 'gloo, CPU'}), bf16 params, median of {max(args.steps, 5)} steps"
           f"{f', compiled with {args.compile}' if args.compile else ''}; "
           f"{time.perf_counter() - t0:.0f} s\n")
     print(_table(records, compiled=bool(args.compile)))

@@ -24,7 +24,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import fsdptag
 from fsdptag.debug import CollectiveCounter, LiveStorageTracker
-from fsdptag.testing.launch import spawn
+from fsdptag.testing.launch import rank_device, spawn
 
 PATHS = ("none", "plain", "reentrant", "hf default", "hf reentrant", "fsdptag full", "fsdptag selective")
 
@@ -66,15 +66,16 @@ def _step(model, mesh, tokens):
 
 def _worker():
     world = torch.distributed.get_world_size()
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    device = rank_device()
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
     g = torch.Generator().manual_seed(mesh.get_local_rank())
-    tokens = torch.randint(0, 256, (2, 33), generator=g)
+    tokens = torch.randint(0, 256, (2, 33), generator=g).to(device)
     rows = []
     for reshard in (False, True):
         for path in PATHS:
             cells = []
             for impl in ("fsdptag", "fsdp2"):
-                model = _model()
+                model = _model().to(device)
                 model.train()
                 if impl == "fsdptag":
                     fsdptag.parametrize(model, mesh, reshard_after_forward=reshard,
@@ -94,8 +95,9 @@ def _worker():
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world", type=int, default=2)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cpu: gloo; cuda: NCCL, one GPU per rank")
     args = p.parse_args()
-    rows = spawn(args.world, _worker)
+    rows = spawn(args.world, _worker, device=args.device)
     print("| zero | checkpointing | fsdptag all-gathers fwd/bwd | fsdptag kept B | FSDP2 all-gathers fwd/bwd | FSDP2 kept B |")
     print("|---|---|---|---|---|---|")
     for zero, path, (f1, b1, k1), (f2, b2, k2) in rows:

@@ -3,6 +3,7 @@
     .venv/bin/torchrun --nproc-per-node 2 examples/finetune_hf.py --steps 20 --checkpoint-dir /tmp/ft
     .venv/bin/torchrun --nproc-per-node 2 examples/finetune_hf.py --steps 30 --checkpoint-dir /tmp/ft   # resumes at 20
     .venv/bin/torchrun --nproc-per-node 2 examples/finetune_hf.py --model-dir ./my-llama --save-pretrained ./out
+    torchrun --nproc-per-node 8 examples/finetune_hf.py --device cuda      # NCCL, one GPU per rank
 
 The model comes from a small ``LlamaConfig`` (or ``--model-dir``, a local directory
 ``from_pretrained`` reads: nothing is downloaded). Data: the bytes of a text file
@@ -47,6 +48,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=10)
     p.add_argument("--save-pretrained", default=None, help="write a from_pretrained directory at the end")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"],
+                   help="cpu: gloo; cuda: NCCL, the GPU of LOCAL_RANK (default when CUDA is present)")
     return p.parse_args()
 
 
@@ -84,10 +87,13 @@ def newest_checkpoint(root: str) -> tuple[int, str] | None:
 
 def main() -> None:
     args = parse_args()
-    dist.init_process_group("gloo")
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
-    model = build_model(args)
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
+    model = build_model(args).to(device)
     mp = fsdptag.MixedPrecisionPolicy(torch.bfloat16, torch.float32) if args.mp == "bf16" else None
     fsdptag.parametrize(model, mesh, reshard_after_forward=args.reshard_after_forward == "true", mp_policy=mp)
     model.train()
@@ -115,6 +121,7 @@ def main() -> None:
     bar = tqdm(range(start, args.steps), disable=rank != 0, desc="fine-tune")
     for _ in bar:
         step, tokens = next(data)
+        tokens = tokens.to(device)
         with CollectiveCounter(mesh) as cc:
             loss = model(tokens[:, :-1], labels=tokens[:, :-1].clone()).loss
             loss.backward()

@@ -200,6 +200,19 @@ class Bucket:
         _LIVE.add(self)
         watch_compiles()
 
+    def __getstate__(self) -> dict:
+        """Pickled with its model (Note [Pickling generated classes] in _class_swap.py):
+        its owner strongly (the pickle holds the module anyway), no open scopes."""
+        state = dict(self.__dict__, scopes=[])
+        state["owner"] = self.owner() if self.owner is not None else None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        owner = state.pop("owner")
+        self.__dict__.update(state)
+        self.owner = weakref.ref(owner) if owner is not None else None
+        _LIVE.add(self)
+
     # ------------------------------------------------------------ storage
 
     def bind(self, params: list[DTensor] | None = None) -> None:

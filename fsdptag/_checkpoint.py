@@ -61,7 +61,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 from ._api import ACMode
 from ._bucket import scoped
 from ._blocks import AC_CONTEXT_FN, find_blocks, is_checkpointed
-from ._class_swap import swap_class, user_class
+from ._class_swap import register_kind, swap_class, user_class
 from ._compat import (
     SAC_POLICY_SEES_OUTPUT,
     SACCachedMode,
@@ -116,12 +116,24 @@ class _SaveOps:
     def fresh(self) -> "_SaveOps":
         return _SaveOps(self.ops, self.every_other_mm)
 
+    def __getstate__(self) -> dict:  # ops by name: OpOverloads do not pickle
+        return dict(self.__dict__, ops=sorted(str(op) for op in self.ops))
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, ops=frozenset(map(_op_named, state["ops"])))
+
     def __call__(self, ctx, func, *args, **kwargs) -> CheckpointPolicy:
         if func is aten.mm.default and self.every_other_mm:
             self.mm_count[ctx.is_recompute] += 1
             if self.mm_count[ctx.is_recompute] % 2 == 0:
                 return CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.MUST_SAVE if func in self.ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _op_named(name: str):
+    """``"aten.mm.default"`` -> ``torch.ops.aten.mm.default``."""
+    namespace, op, overload = name.split(".")
+    return getattr(getattr(getattr(torch.ops, namespace), op), overload)
 
 
 def fresh_base(base):
@@ -279,25 +291,33 @@ def checkpoint_context_fn(base=None, *, policy_factory: Callable[[], Any] | None
             raise ValueError("pass either base or policy_factory to checkpoint_context_fn, not both")
         if not callable(policy_factory):
             raise TypeError(f"policy_factory={policy_factory!r} must be a zero-argument callable returning a policy")
-
-        def make_base():
-            return _as_policy(policy_factory())
     else:
-        _as_policy(base)  # validate now, not at the first forward
+        checked = _as_policy(base)  # validate now, not at the first forward
+        if isinstance(checked, _SaveOps):
+            base = checked  # an op list, kept as fsdptag's save list (it pickles)
+    return _TaggedContextFn(base, policy_factory)
 
-        def make_base():
-            return fresh_base(base)
 
-    def context_fn():
+class _TaggedContextFn:
+    """What :func:`checkpoint_context_fn` returns: an object, not a closure, so a model
+    checkpointed with it pickles (Note [Pickling generated classes] in _class_swap.py)."""
+
+    def __init__(self, base, policy_factory: Callable[[], Any] | None) -> None:
+        self.base, self.policy_factory = base, policy_factory
+
+    def _fresh_base(self):
+        if self.policy_factory is not None:
+            return _as_policy(self.policy_factory())
+        return fresh_base(self.base)
+
+    def __call__(self) -> tuple[Any, Any]:
         storage = sac_storage()
         gathered: list = []
         return (
-            _RecordingCachingMode(checkpoint_policy(make_base()), storage, gathered),
+            _RecordingCachingMode(checkpoint_policy(self._fresh_base()), storage, gathered),
             # its own policy: torch 2.11 asks it again, with a fresh count of its own
-            _CheckingCachedMode(checkpoint_policy(make_base()), storage, gathered),
+            _CheckingCachedMode(checkpoint_policy(self._fresh_base()), storage, gathered),
         )
-
-    return context_fn
 
 
 # ---------------------------------------------------------------- apply_ac
@@ -323,6 +343,9 @@ def _checkpointed_forward(cls: type) -> dict:
         return checkpoint(fn, *args, use_reentrant=False, context_fn=self.__dict__[AC_CONTEXT_FN], **kwargs)
 
     return {"forward": forward}
+
+
+register_kind("Checkpointed", lambda cls, key: _checkpointed_forward(cls))
 
 
 def _zero2_gathers_kept(block: nn.Module) -> bool:
@@ -424,4 +447,4 @@ def checkpoint_blocks(
         make_bucket_root(block)  # Note [Checkpointed bucket roots]
         block.__dict__[AC_CONTEXT_FN] = make_context_fn()
         block.__dict__[_AC_FULL] = full
-        swap_class(block, "Checkpointed", _checkpointed_forward)
+        swap_class(block, "Checkpointed")

@@ -90,6 +90,10 @@ class Keeper:
         self.owned: list[weakref.ref[KeptGather]] = []  # held by forward nodes
         self.pinned: list[KeptGather] = []  # held here (reentrant checkpoint's no-grad forward)
 
+    def __getstate__(self) -> dict:
+        """Kept gathers live from a forward to its backward: none are pickled."""
+        return dict(self.__dict__, owned=[], pinned=[])
+
     def how_to_keep(self) -> str | None:
         """In a forward gather: "node", "pin" or None (not kept)."""
         if in_backward() or torch.is_inference_mode_enabled() or current_sac_region() is not None:

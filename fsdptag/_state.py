@@ -40,7 +40,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ._api import MixedPrecisionPolicy
 from ._bucket import Bucket, scoped, watch_compiles
-from ._class_swap import swap_class
+from ._class_swap import register_kind, swap_class
 from ._compat import apply_to_tensors, at_backward_end, in_backward, is_compiling
 from ._param import Handouts, ParamGather, flags
 from ._prefetch import Prefetcher
@@ -198,16 +198,16 @@ def attach(module: nn.Module, state: ModuleState) -> None:
     a gathering property per parameter name, and a bucket scope for a bucket root."""
     module.__dict__[_STATE] = state
     if state.is_root:
-        swap_class(module, "Parametrized", _root_methods)
+        swap_class(module, "Parametrized")
     if state.params:
         names = tuple(state.params)
-        swap_class(module, "FSDPTag", lambda cls: _param_properties(names), key=names)
+        swap_class(module, "FSDPTag", key=names)
     if state.buckets:
         _make_bucket_root_class(module)
 
 
 def _make_bucket_root_class(module: nn.Module) -> None:
-    swap_class(module, "Bucketed", _bucket_root_methods)
+    swap_class(module, "Bucketed")
     module_state(module).root.handles.append(module.register_load_state_dict_post_hook(_rebind_after_load))
 
 
@@ -331,6 +331,11 @@ def _bucket_root_methods(cls: type) -> dict:
         return out
 
     return {"forward": forward, "_apply": _apply}
+
+
+register_kind("Parametrized", lambda cls, key: _root_methods(cls))
+register_kind("FSDPTag", lambda cls, names: _param_properties(names))
+register_kind("Bucketed", lambda cls, key: _bucket_root_methods(cls))
 
 
 def _rebind_after_load(module: nn.Module, incompatible_keys) -> None:

@@ -212,6 +212,8 @@ class _CollectiveSettler:
         self._one = storage_use_count(torch.empty(0))  # a storage only its tensor holds
 
     def issue(self, func, args, kwargs):
+        if args and isinstance(args[0], torch.Tensor) and innermost(args[0]).is_cuda:
+            return func(*args, **kwargs)  # NCCL: nothing to settle (LiveStorageTracker's docstring)
         if args and isinstance(args[0], torch.Tensor) and not func._schema.is_mutable:
             args = (_detached_copy(args[0]),) + tuple(args[1:])  # (in-place ones write it)
         out = func(*args, **kwargs)
@@ -258,9 +260,13 @@ class LiveStorageTracker(TorchDispatchMode):
     already existed (parameters, FSDP2's resizable unsharded buffers) count too:
     then take the difference between the end of forward and after backward.
     ``track_peak=True`` keeps ``peak_bytes``, the most live bytes after any op
-    (O(live storages) per op). ``settle_collectives=True`` (for real process groups)
+    (O(live storages) per op). ``settle_collectives=True`` (for gloo process groups)
     waits after each functional collective's wait until the collective layer has
-    released its buffers, so that peaks do not depend on its thread's timing.
+    released its buffers, so that peaks do not depend on its thread's timing. On CUDA
+    a wait returns before the GPU is done and NCCL frees on its own thread, so CUDA
+    tensors are not settled; there ``allocator_peak_bytes`` is the CUDA caching
+    allocator's peak while the tracker was entered, above what was allocated at entry
+    (``torch.cuda.max_memory_allocated``), the figure FSDP2 users compare (None on CPU).
 
     Works on real and fake tensors (``FakeTensorMode``).
 
@@ -282,6 +288,21 @@ class LiveStorageTracker(TorchDispatchMode):
         # buffers in place, so storages FSDP2's ops touch are re-measured each time.
         self._storages: dict[int, list] = {}
         self._resizable: set[int] = set()
+        self._cuda_base: int | None = None
+
+    def __enter__(self):
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self._cuda_base = torch.cuda.memory_allocated()
+        return super().__enter__()
+
+    @property
+    def allocator_peak_bytes(self) -> int | None:
+        """The CUDA caching allocator's peak since entering, above its entry (None on CPU)."""
+        if self._cuda_base is None:
+            return None
+        return torch.cuda.max_memory_allocated() - self._cuda_base
 
     def _track(self, x, kind: str) -> bool:
         """Register the storages in ``x``; True if any was new."""

@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fsdptag
 from fsdptag._tag import get_fsdp_tag
-from fsdptag.debug import CollectiveCounter
+from fsdptag.debug import CollectiveCounter, LiveStorageTracker
 from tests.models import make_net
 
 
@@ -93,3 +93,23 @@ def test_foreign_hooks_over_checkpointed_blocks(fake_pg, ac):
         fsdptag.apply_ac(model, ac)
         counter, _ = _step(model, lambda: save_on_cpu(pin_memory=False), torch.randint(0, 34, (2, 6)))
         assert counter.count("backward", "all_gather", fsdp_tagged=True) == (3 if zero == 3 else 0)
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_gathered_bytes_kept_for_backward_are_as_without_hooks(fake_pg, zero):
+    """What forward keeps of FSDP gathers: zero3 nothing, zero2 its buckets, with or
+    without ``save_on_cpu`` around the forward (activations move, gathers do not)."""
+    model = make_net()
+    fsdptag.parametrize(model, init_device_mesh("cpu", (2,)), reshard_after_forward=zero == 3)
+    tokens = torch.randint(0, 34, (2, 6))
+    kept = {}
+    for name, wrap in (("plain", contextlib.nullcontext), ("save_on_cpu", lambda: save_on_cpu(pin_memory=False))):
+        with LiveStorageTracker() as mem:
+            with wrap():
+                loss = model(tokens).sum()
+            at_forward_end = mem.snapshot()
+            loss.backward()
+            del loss
+            kept[name] = LiveStorageTracker.kept(at_forward_end, mem.snapshot()).get("fsdp", 0)
+    assert kept["save_on_cpu"] == kept["plain"], kept
+    assert (kept["plain"] == 0) == (zero == 3), kept
