@@ -122,14 +122,8 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.checkpoint import checkpoint
 
 from ._api import MixedPrecisionPolicy
-from ._compat import (
-    allow_checkpoint_side_effects,
-    contiguous_strides,
-    current_sac_region,
-    graph_task_id,
-    in_backward,
-    on_compile_start,
-)
+from ._compat import allow_checkpoint_side_effects, contiguous_strides, graph_task_id, on_compile_start
+from ._context import GatherContext, Zero2, gather_context, in_inference, sac_region
 from ._collectives import GradientReduction, gradient_reduction, reduce_gradient
 from ._keep import KeptGather, Keeper
 from ._param import ParamGather, recompute_everything, save_everything, makes_copy
@@ -295,7 +289,7 @@ class Bucket:
         """The gathered parameter ``param`` in the current scope (gathering the
         bucket at the scope's first access), or None outside the root's forward or
         from another checkpoint region than the scope's (Note [Buckets])."""
-        if not self.scopes or self.scopes[-1].region is not current_sac_region():
+        if not self.scopes or self.scopes[-1].region is not sac_region():
             return self._scopeless_recompute(param, tagged)
         scope = self.scopes[-1]
         if not scope.gathered:
@@ -308,7 +302,7 @@ class Bucket:
                 self.prefetcher.gathered(self, scope.region, tagged)
             # DDP without a cast hands out the stored parameters themselves, as plain DDP
             # does; inference tensors have no version counter.
-            if self.copies() and not torch.is_inference_mode_enabled():
+            if self.copies() and not in_inference():
                 scope.versions = {p: t._version for p, t in scope.gathered.items()}
         return scope.gathered[param]
 
@@ -345,7 +339,7 @@ class Bucket:
         gather per backward, shared by the recompute's accesses while they hold it; zero2
         serves it from the forward's kept gather (Note [zero2 kept until backward]).
         None (gather per parameter) outside a recompute."""
-        if not in_backward() or current_sac_region() is not None or not self.copies():
+        if gather_context() is not GatherContext.RECOMPUTE or not self.copies():
             return None
         params = self.stored()
         entry = self.keeper.find(params) if self.keeper is not None else None
@@ -419,7 +413,7 @@ class _Scope:
 @contextlib.contextmanager
 def open_scopes(buckets: tuple[Bucket, ...]) -> Iterator[None]:
     """A fresh gather scope of each of ``buckets`` (one root ``forward``)."""
-    region = current_sac_region()
+    region = sac_region()
     for b in buckets:
         b.scopes.append(_Scope(region))
     try:
@@ -447,7 +441,7 @@ class _GatherBucket(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, bucket: Bucket, tagged: bool, prefetched: torch.Tensor | None,
-                reuse: KeptGather | None, keep: str | None, *params: DTensor):
+                reuse: KeptGather | None, keep: Zero2 | None, *params: DTensor):
         ctx.bucket = bucket
         ctx.specs = [p._spec for p in params]
         ctx.local_shapes = [p._local_tensor.shape for p in params]
@@ -459,7 +453,7 @@ class _GatherBucket(torch.autograd.Function):
             return tuple(p._local_tensor.detach() for p in params)  # so in place is as in DDP
         # No FSDP op to checkpoint under inference_mode (which would also turn the cast
         # into aten.to.dtype, outside the tag table).
-        tagged = tagged and not torch.is_inference_mode_enabled()
+        tagged = tagged and not in_inference()
         if prefetched is not None:  # all-gather issued ahead (Note [Prefetch])
             gathered = c10d.wait_tensor(prefetched)
         elif bucket.world > 1:

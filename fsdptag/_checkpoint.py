@@ -116,12 +116,6 @@ class _SaveOps:
     def fresh(self) -> "_SaveOps":
         return _SaveOps(self.ops, self.every_other_mm)
 
-    def __getstate__(self) -> dict:  # ops by name: OpOverloads do not pickle
-        return dict(self.__dict__, ops=sorted(str(op) for op in self.ops))
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state, ops=frozenset(map(_op_named, state["ops"])))
-
     def __call__(self, ctx, func, *args, **kwargs) -> CheckpointPolicy:
         if func is aten.mm.default and self.every_other_mm:
             self.mm_count[ctx.is_recompute] += 1
@@ -291,33 +285,35 @@ def checkpoint_context_fn(base=None, *, policy_factory: Callable[[], Any] | None
             raise ValueError("pass either base or policy_factory to checkpoint_context_fn, not both")
         if not callable(policy_factory):
             raise TypeError(f"policy_factory={policy_factory!r} must be a zero-argument callable returning a policy")
+        spec = ("factory", policy_factory)
     else:
         checked = _as_policy(base)  # validate now, not at the first forward
-        if isinstance(checked, _SaveOps):
-            base = checked  # an op list, kept as fsdptag's save list (it pickles)
-    return _TaggedContextFn(base, policy_factory)
+        spec = (("ops", tuple(sorted(map(str, checked.ops))), checked.every_other_mm)
+                if isinstance(checked, _SaveOps) else ("base", base))
+    # A partial of a module-level function over plain data: dynamo's checkpoint takes it
+    # (a function or a partial, not any callable), and a checkpointed model pickles
+    # (Note [Pickling generated classes] in _class_swap.py).
+    return functools.partial(_tagged_context, spec)
 
 
-class _TaggedContextFn:
-    """What :func:`checkpoint_context_fn` returns: an object, not a closure, so a model
-    checkpointed with it pickles (Note [Pickling generated classes] in _class_swap.py)."""
+def _fresh_base(spec: tuple):
+    """The user's part of the policy for one region, from ``checkpoint_context_fn``'s spec."""
+    kind = spec[0]
+    if kind == "factory":
+        return _as_policy(spec[1]())
+    if kind == "ops":
+        return _SaveOps(map(_op_named, spec[1]), every_other_mm=spec[2])
+    return spec[1]
 
-    def __init__(self, base, policy_factory: Callable[[], Any] | None) -> None:
-        self.base, self.policy_factory = base, policy_factory
 
-    def _fresh_base(self):
-        if self.policy_factory is not None:
-            return _as_policy(self.policy_factory())
-        return fresh_base(self.base)
-
-    def __call__(self) -> tuple[Any, Any]:
-        storage = sac_storage()
-        gathered: list = []
-        return (
-            _RecordingCachingMode(checkpoint_policy(self._fresh_base()), storage, gathered),
-            # its own policy: torch 2.11 asks it again, with a fresh count of its own
-            _CheckingCachedMode(checkpoint_policy(self._fresh_base()), storage, gathered),
-        )
+def _tagged_context(spec: tuple) -> tuple[Any, Any]:
+    storage = sac_storage()
+    gathered: list = []
+    return (
+        _RecordingCachingMode(checkpoint_policy(_fresh_base(spec)), storage, gathered),
+        # its own policy: torch 2.11 asks it again, with a fresh count of its own
+        _CheckingCachedMode(checkpoint_policy(_fresh_base(spec)), storage, gathered),
+    )
 
 
 # ---------------------------------------------------------------- apply_ac

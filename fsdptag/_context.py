@@ -1,4 +1,37 @@
-"""Where a gather runs, as far as saved tensors go: whose saved-tensor hooks are active.
+"""Where a gather runs: the ambient state fsdptag reads, decided in one place, and
+what zero2 and zero3 do there.
+
+Note [When what applies]
+------------------------
+Every eager gather of a parameter or bucket runs in one :class:`GatherContext`,
+computed from torch's ambient state by :func:`gather_context` (nothing else in the
+runtime asks torch whether it is in backward, in a selective-checkpoint region, in
+inference mode, or whose saved-tensor hooks are on top). The tables ``ZERO2`` and
+``ZERO3`` say what becomes of the gathered parameter in each (the forms of zero2 are
+Note [zero2 kept until backward] in ``_keep.py``; zero3's, Note [zero3 by saved-tensor
+hooks] in ``_reshard.py``); ``tests/unit/test_context.py`` pins both tables and
+produces every context for real:
+
+=============  ====================================  ========================================  ======================================
+context        when                                  zero2                                     zero3
+=============  ====================================  ========================================  ======================================
+inference      ``torch.inference_mode``              nothing is saved                          nothing is saved
+no grad        grad off outside a training forward   nothing is saved                          nothing is saved
+reentrant      grad off inside a training forward    kept by the bucket until the recompute    the recompute gathers again
+               (a reentrant checkpoint's forward)    takes it over (pin)
+forward        a training forward, nobody else's     autograd saves the handout                fsdptag's hooks save a re-gather handle
+               saved-tensor hooks on top
+checkpoint     a non-reentrant checkpoint region     kept by the gather's node until its       the recompute gathers again
+                                                     backward (node)
+sac            a selective-checkpoint region         the policy saves the all-gather           the policy recomputes it
+               (anyone's policy)                     (fsdptag's: Note [Tagged checkpoint
+                                                     policy])
+other hooks    someone else's saved-tensor hooks     kept by the gather's node (it may be a    fsdptag's hooks save a re-gather handle
+               (save_on_cpu, a profiler)             checkpoint), and fsdptag's hooks keep     (composed over them)
+                                                     it on the device
+recompute      in backward, outside SAC regions      served from the kept gather               gathered, once per bucket
+sac recompute  in backward, in a SAC region          the policy replays the saved all-gather   gathered, once per bucket
+=============  ====================================  ========================================  ======================================
 
 Note [Whose saved-tensor hooks]
 -------------------------------
@@ -35,9 +68,21 @@ from __future__ import annotations
 
 import enum
 
-from ._compat import is_checkpoint_hook, top_saved_tensor_hooks
+import torch
 
-__all__ = ["FSDPTAG_HOOK", "Hooks", "saved_tensor_hooks"]
+from ._compat import current_sac_region, in_backward, is_checkpoint_hook, top_saved_tensor_hooks
+
+__all__ = ["FSDPTAG_HOOK", "GatherContext", "Hooks", "ZERO2", "ZERO3", "Zero2", "Zero3", "gather_context",
+           "grad_mode_trains", "in_inference", "running_backward", "sac_region", "saved_tensor_hooks"]
+
+running_backward = in_backward  # the autograd engine runs this code (backward, or a recompute in it)
+sac_region = current_sac_region  # the innermost selective-checkpoint region now (its mode), or None
+in_inference = torch.is_inference_mode_enabled
+
+
+def grad_mode_trains() -> bool:
+    """Grad on and no inference mode: what a training forward starts in."""
+    return torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
 
 FSDPTAG_HOOK = "_fsdptag_hook"  # marks fsdptag's own pack function
 
@@ -61,3 +106,75 @@ def saved_tensor_hooks() -> tuple[Hooks, tuple | None]:
     if is_checkpoint_hook(top[0]):
         return Hooks.CHECKPOINT, top
     return Hooks.OTHER, top
+
+
+class GatherContext(enum.Enum):
+    """Where an eager gather runs (Note [When what applies])."""
+
+    INFERENCE = "inference"
+    NO_GRAD = "no grad"
+    REENTRANT = "reentrant"
+    FORWARD = "forward"
+    CHECKPOINT = "checkpoint"
+    SAC = "sac"
+    OTHER_HOOKS = "other hooks"
+    RECOMPUTE = "recompute"
+    SAC_RECOMPUTE = "sac recompute"
+
+    @property
+    def in_backward(self) -> bool:
+        return self in (GatherContext.RECOMPUTE, GatherContext.SAC_RECOMPUTE)
+
+
+def gather_context(training_forward: bool = False) -> GatherContext:
+    """The context of a gather running now; ``training_forward``: the innermost open root
+    forward began with grad on (tells a reentrant checkpoint's forward from ``no_grad``)."""
+    if torch.is_inference_mode_enabled():
+        return GatherContext.INFERENCE
+    sac = current_sac_region() is not None
+    if in_backward():
+        return GatherContext.SAC_RECOMPUTE if sac else GatherContext.RECOMPUTE
+    if sac:
+        return GatherContext.SAC
+    if not torch.is_grad_enabled():
+        return GatherContext.REENTRANT if training_forward else GatherContext.NO_GRAD
+    whose, _ = saved_tensor_hooks()
+    if whose is Hooks.CHECKPOINT:
+        return GatherContext.CHECKPOINT
+    if whose is Hooks.OTHER:
+        return GatherContext.OTHER_HOOKS
+    return GatherContext.FORWARD
+
+
+class Zero2(enum.Enum):
+    """How a zero2 gather stays gathered until backward (Note [zero2 kept until backward])."""
+
+    NOTHING = "nothing is saved"
+    AUTOGRAD = "autograd saves the handout"
+    KEEP_ON_NODE = "kept by the gather's node until its backward"
+    PIN = "kept by the bucket until the recompute takes it over"
+    POLICY = "the checkpoint policy saves or replays the all-gather"
+    SERVE_KEPT = "served from the kept gather"
+
+
+class Zero3(enum.Enum):
+    """How a zero3 gather is freed after forward and gathered again in backward."""
+
+    NOTHING = "nothing is saved"
+    REGATHER_HANDLE = "fsdptag's hooks save a re-gather handle"
+    RECOMPUTE = "the recompute gathers again"
+    POLICY = "the policy recomputes it"
+    GATHER = "gathered, once per bucket"
+
+
+_C = GatherContext
+ZERO2: dict[GatherContext, Zero2] = {
+    _C.INFERENCE: Zero2.NOTHING, _C.NO_GRAD: Zero2.NOTHING, _C.REENTRANT: Zero2.PIN,
+    _C.FORWARD: Zero2.AUTOGRAD, _C.CHECKPOINT: Zero2.KEEP_ON_NODE, _C.SAC: Zero2.POLICY,
+    _C.OTHER_HOOKS: Zero2.KEEP_ON_NODE, _C.RECOMPUTE: Zero2.SERVE_KEPT, _C.SAC_RECOMPUTE: Zero2.POLICY,
+}
+ZERO3: dict[GatherContext, Zero3] = {
+    _C.INFERENCE: Zero3.NOTHING, _C.NO_GRAD: Zero3.NOTHING, _C.REENTRANT: Zero3.RECOMPUTE,
+    _C.FORWARD: Zero3.REGATHER_HANDLE, _C.CHECKPOINT: Zero3.RECOMPUTE, _C.SAC: Zero3.POLICY,
+    _C.OTHER_HOOKS: Zero3.REGATHER_HANDLE, _C.RECOMPUTE: Zero3.GATHER, _C.SAC_RECOMPUTE: Zero3.GATHER,
+}

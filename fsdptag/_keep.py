@@ -51,8 +51,8 @@ import torch
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._compat import contiguous_strides, current_sac_region, in_backward
-from ._context import Hooks, saved_tensor_hooks
+from ._compat import contiguous_strides
+from ._context import ZERO2, Zero2, gather_context
 from ._tag import FSDPTaggedTensor, get_fsdp_tag
 
 __all__ = ["KeptGather", "Keeper", "ServeAllGather"]
@@ -94,20 +94,15 @@ class Keeper:
         """Kept gathers live from a forward to its backward: none are pickled."""
         return dict(self.__dict__, owned=[], pinned=[])
 
-    def how_to_keep(self) -> str | None:
-        """In a forward gather: "node", "pin" or None (not kept)."""
-        if in_backward() or torch.is_inference_mode_enabled() or current_sac_region() is not None:
-            return None
-        if torch.is_grad_enabled():
-            # a checkpoint's hooks, or hooks nobody knows that may be one (Note [Whose
-            # saved-tensor hooks] in _context.py); under fsdptag's own, autograd keeps it
-            whose, _ = saved_tensor_hooks()
-            return "node" if whose in (Hooks.CHECKPOINT, Hooks.OTHER) else None
-        return "pin" if self.training_forward() else None
+    def how_to_keep(self) -> Zero2 | None:
+        """In a forward gather: ``KEEP_ON_NODE``, ``PIN``, or None where nothing needs
+        keeping here (Note [When what applies] in ``_context.py``)."""
+        action = ZERO2[gather_context(self.training_forward())]
+        return action if action in (Zero2.KEEP_ON_NODE, Zero2.PIN) else None
 
-    def keep(self, entry: KeptGather, how: str, node) -> None:
+    def keep(self, entry: KeptGather, how: Zero2, node) -> None:
         """``node``: the gather's autograd node, whose backward calls ``entry.release()``."""
-        if how == "node":
+        if how is Zero2.KEEP_ON_NODE:
             if node is None:  # nothing requires grad: no backward, nothing to keep for
                 return
             node.kept = entry
@@ -118,7 +113,7 @@ class Keeper:
     def find(self, params) -> KeptGather | None:
         """In a recompute (in backward, outside selective-checkpoint regions): the newest
         kept gather of these very shards."""
-        if not in_backward() or current_sac_region() is not None:
+        if ZERO2[gather_context()] is not Zero2.SERVE_KEPT:
             return None
         self.owned = [r for r in self.owned if r() is not None]
         for entry in [r() for r in reversed(self.owned)] + self.pinned[::-1]:

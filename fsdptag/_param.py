@@ -67,6 +67,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from ._api import MixedPrecisionPolicy
 from ._compat import contiguous_strides, is_compiling
+from ._context import in_inference
 from ._keep import KeptGather, Keeper, ServeAllGather
 from ._tag import FSDPTag, alias, check_unchanged, refuse_in_place, tag_shard, untag
 
@@ -259,7 +260,7 @@ class ParamGather:
             copies = self.copies(stored)
         # No FSDP op, or nothing to checkpoint (inference_mode): no tag (Note [Marked
         # handout] in _tag.py).
-        tagged = tagged and copies and not torch.is_inference_mode_enabled()
+        tagged = tagged and copies and not in_inference()
         if self.keeper is None or not tagged:
             return self._gather(stored, tagged, copies)
         kept = self.keeper.find([stored])  # a recompute: serve the forward's all-gather
@@ -342,7 +343,7 @@ class Handouts:
         self._frame: list | None = None  # this forward's handouts; None outside forward
 
     def record(self, t: torch.Tensor, fqn: str) -> None:
-        if self._frame is not None and not torch.is_inference_mode_enabled():  # no versions there
+        if self._frame is not None and not in_inference():  # no versions there
             self._frame.append((weakref.ref(t), t._version, fqn))
 
     def open(self) -> None:

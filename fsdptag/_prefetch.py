@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from ._bucket import Bucket
-from ._compat import in_backward
+from ._context import running_backward
 
 __all__ = ["Prefetcher"]
 
@@ -46,7 +46,7 @@ class Prefetcher:
         self.pending: dict[Bucket, tuple[bool, torch.Tensor]] = {}  # bucket -> (tagged, all-gather)
 
     def _in_forward(self) -> bool:
-        return self.active and not in_backward()
+        return self.active and not running_backward()
 
     def take(self, bucket: Bucket, region, tagged: bool) -> torch.Tensor | None:
         entry = self.pending.pop(bucket, None)

@@ -43,8 +43,7 @@ import torch.nn as nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed.tensor import DTensor
 
-from ._compat import in_backward
-from ._context import FSDPTAG_HOOK, Hooks, saved_tensor_hooks
+from ._context import FSDPTAG_HOOK, GatherContext, Hooks, gather_context, saved_tensor_hooks
 from ._param import ParamGather
 from ._tag import get_fsdp_tag, innermost as _innermost
 
@@ -143,10 +142,11 @@ class SavedTensorHooks:
             self._pop(entry)
 
     def _push(self, when_none: bool):
-        if not torch.is_grad_enabled() or in_backward():  # no saving, or a recompute
-            return None
+        context = gather_context()  # Note [When what applies] in _context.py
+        if context is not GatherContext.OTHER_HOOKS and not (context is GatherContext.FORWARD and when_none):
+            return None  # no saving, a recompute, a checkpoint region's own hooks
         whose, top = saved_tensor_hooks()
-        if whose is Hooks.OTHER or (whose is Hooks.NONE and when_none):
+        if whose is Hooks.OTHER or whose is Hooks.NONE:
             ctx = saved_tensors_hooks(self._pack, self._unpack)
             ctx.__enter__()
             entry = (ctx, self._regathers, self._theirs)

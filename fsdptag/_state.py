@@ -41,7 +41,8 @@ from torch.utils.hooks import RemovableHandle
 from ._api import MixedPrecisionPolicy
 from ._bucket import Bucket, scoped, watch_compiles
 from ._class_swap import register_kind, swap_class
-from ._compat import apply_to_tensors, at_backward_end, in_backward, is_compiling
+from ._compat import apply_to_tensors, at_backward_end, is_compiling
+from ._context import grad_mode_trains, running_backward
 from ._param import Handouts, ParamGather, flags
 from ._prefetch import Prefetcher
 from ._reshard import SavedTensorHooks
@@ -101,8 +102,8 @@ class RootState:
             return apply_to_tensors(self._cast, (args, kwargs)) if self.cast_dtype is not None else None
         watch_compiles()  # after a torch._dynamo.reset (Note [Bound storage])
         self._errors_at_entry.append(sys.exc_info()[1])
-        self._training.append(torch.is_grad_enabled() and not torch.is_inference_mode_enabled())
-        if not in_backward():
+        self._training.append(grad_mode_trains())
+        if not running_backward():
             for b in self.buckets:
                 if b.keeper is not None:
                     b.keeper.unpin()
