@@ -1,7 +1,8 @@
 """fsdptag: SimpleFSDP-style eager data parallelism whose FSDP traffic carries a provenance tag."""
 
 from ._api import ACMode, DataParallelMode, MixedPrecisionPolicy, ReshardPolicy
-from ._checkpoint import DEFAULT_SAVE_OPS, apply_ac, checkpoint_context_fn, checkpoint_policy
+from ._ac import apply_ac
+from ._checkpoint import DEFAULT_SAVE_OPS, checkpoint_context_fn, checkpoint_policy
 from ._param import disable_active_parametrization
 from ._parametrize import is_parametrized, parametrize
 from ._tag import FSDPTag, FSDPTaggedTensor, get_fsdp_tag, is_fsdp_tagged

@@ -78,78 +78,35 @@ reproduction). So when dynamo starts compiling anything in the process, every li
 bucket unbinds for good (``unbind_for_compile``): each shard gets its own storage
 and the eager path packs with ``cat``. Eager-only programs never pay this.
 
-Note [Compiled buckets]
------------------------
-Inside ``torch.compile`` a bucket is gathered as in eager, one all-gather for its
-parameters, but traced: ``gather_in_graph`` pads and concatenates the local shards,
-then ``_BucketCollectives`` casts and all-gathers (backward: the gradient in
-``reduce_dtype``, reduced by the same ``reduce_gradient`` as eager's), and one
-``split_with_sizes_copy`` copies the parameters out; the same ops in the same order
-as eager, so ``aot_eager`` is bitwise equal to eager. There are no scopes in compiled
-code: a bucket root's ``forward`` gathers its buckets up front and hands each
-parameter its piece through ``ParamGather.pregathered`` (a Python attribute, set
-and cleared in the traced code). Where the gather runs:
-
-* a block checkpointed by ``apply_ac`` (a bucket root, Note [Checkpointed bucket
-  roots]): before its checkpoint region opens (``pregather``), zero2 plainly (the
-  region takes the parameters as inputs), zero3 in a recompute-everything region
-  of its own, so the compiled backward re-gathers the bucket once;
-* any other bucket root's ``forward``: in a checkpoint region of the bucket's own,
-  recompute-everything for zero3, save-everything for zero2, which keeps zero2
-  gathered inside someone else's checkpoint region (a plain ``checkpoint``, Hugging
-  Face's). Writing ``pregathered`` inside such a region is a side effect dynamo
-  refuses by default, so the compile-start callback sets
-  ``torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint`` (as
-  torchtitan's compile path does): the write is set and cleared within the traced
-  forward, so not replaying it in the recompute loses nothing.
-
-Per compiled block graph: 1 all-gather in forward, zero2 0 and zero3 1 in backward,
-with AC none, selective, full or a plain checkpoint (``tests/test_compile.py`` pins
-five of those settings), where per-parameter gathers made 9.
+Buckets inside ``torch.compile``: Note [Compiled buckets] in ``_compiled.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate
-from torch.utils.checkpoint import checkpoint
 
 from ._api import MixedPrecisionPolicy
-from ._compat import allow_checkpoint_side_effects, contiguous_strides, graph_task_id, on_compile_start
+from ._compat import contiguous_strides, graph_task_id
+from ._compiled import forget_live, register_live, traced_gather
 from ._context import GatherContext, Zero2, gather_context, in_inference, sac_region
 from ._collectives import GradientReduction, gradient_reduction, reduce_gradient
 from ._keep import KeptGather, Keeper
-from ._param import ParamGather, recompute_everything, save_everything, makes_copy
+from ._layout import copy_out, layout, pack, unpad
+from ._param import ParamGather, makes_copy
 from ._tag import FSDPTag, FSDPTaggedTensor, check_unchanged, mark_gathered
 
 if TYPE_CHECKING:
     from ._state import RootState
 
-__all__ = ["Bucket", "open_scopes", "scoped", "watch_compiles"]
+__all__ = ["Bucket", "open_scopes", "scoped"]
 
 c10d = torch.ops._c10d_functional
-
-
-@dataclass(frozen=True)
-class _Slot:
-    """Where one parameter lives in the bucket's flat per-rank buffer."""
-
-    offset: int  # in elements, within one rank's buffer
-    rows: int  # global dim-0 size
-    padded_rows: int  # ceil(rows / world): every rank's chunk, padded
-    row_numel: int  # elements per row
-    rest: tuple[int, ...]  # dims after 0
-
-    @property
-    def numel(self) -> int:
-        return self.padded_rows * self.row_numel
 
 
 class Bucket:
@@ -175,14 +132,8 @@ class Bucket:
             None if replicate_dim is None else dp_mesh.get_group(replicate_dim).group_name)
         self.param_dtype = mp.param_dtype
         self.reduce_dtype = mp.reduce_dtype or mp.param_dtype
-        self.slots: list[_Slot] = []
-        offset = 0
-        for p in params:  # a TP parameter's slot holds its TP-local tensor
-            rows, rest = p.dp_shape[0], tuple(p.dp_shape[1:])
-            slot = _Slot(offset, rows, -(-rows // self.world), math.prod(rest), rest)
-            self.slots.append(slot)
-            offset += slot.numel
-        self.numel = offset
+        # a TP parameter's slot holds its TP-local tensor
+        self.slots, self.numel = layout([p.dp_shape for p in params], self.world)
         self.split_sizes = [slot.numel for slot in self.slots]
         self.flat: torch.Tensor | None = None  # bound storage (Note [Bound storage])
         self.locals: tuple[torch.Tensor, ...] = ()
@@ -191,8 +142,7 @@ class Bucket:
         self.keeper = Keeper(root.training_forward) if not reshard and self.world > 1 else None
         self.root = root  # its prefetcher (Note [Prefetch]) and scope-less recomputes
         self.compiled = False  # torch.compile seen: stays unbound (Note [Bound storage])
-        _LIVE.add(self)
-        watch_compiles()
+        register_live(self)
 
     def __getstate__(self) -> dict:
         """Pickled with its model (Note [Pickling generated classes] in _class_swap.py):
@@ -205,7 +155,7 @@ class Bucket:
         owner = state.pop("owner")
         self.__dict__.update(state)
         self.owner = weakref.ref(owner) if owner is not None else None
-        _LIVE.add(self)
+        register_live(self)
 
     # ------------------------------------------------------------ storage
 
@@ -243,7 +193,7 @@ class Bucket:
 
     def retire(self) -> None:
         """Its parameters went to other buckets: forget them and the flat buffer."""
-        _LIVE.discard(self)
+        forget_live(self)
         self.params, self.slots, self.flat, self.locals = [], [], None, ()
 
     def unbind_for_compile(self) -> None:
@@ -274,14 +224,7 @@ class Bucket:
                 "dtypes before fsdptag.parametrize (it splits buckets by dtype), or convert "
                 "the whole bucket root module."
             )
-        pieces = []
-        for slot, shard in zip(self.slots, shards):
-            x = FSDPTaggedTensor(shard, self.tag) if tagged else shard
-            x = x.reshape(-1)
-            if x.numel() < slot.numel:  # uneven shards: pad every rank's chunk alike
-                x = F.pad(x, (0, slot.numel - x.numel()))
-            pieces.append(x)
-        return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        return pack([FSDPTaggedTensor(x, self.tag) if tagged else x for x in shards], self.slots)
 
     # ------------------------------------------------------------ gathering
 
@@ -368,31 +311,9 @@ class Bucket:
     # ------------------------------------------------------------ compiled
 
     def traced(self) -> tuple[torch.Tensor, ...]:
-        """The bucket gathered inside ``torch.compile`` (Note [Compiled buckets]), in a
-        checkpoint region of its own: zero3's recomputes it, zero2's saves it."""
-        context_fn = recompute_everything if self.tag.reshard_after_forward else save_everything
-        return checkpoint(self.gather_in_graph, *self.stored(), use_reentrant=False, context_fn=context_fn)
-
-    def gather_in_graph(self, *params: DTensor) -> tuple[torch.Tensor, ...]:
-        """One untagged gather of the bucket in the graph, with eager's ops and layout."""
-        for g in self.params:
-            g.check_compilable()
-        pieces = []
-        for slot, p in zip(self.slots, params):
-            x = p.to_local().reshape(-1)  # to_local's backward makes the DTensor gradient
-            if x.numel() < slot.numel:  # uneven shards: pad every rank's chunk alike
-                x = F.pad(x, (0, slot.numel - x.numel()))
-            pieces.append(x)
-        flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-        gathered = _BucketCollectives.apply(flat, self.world, self.group_name, self.replicas,
-                                            self.replicate_group, self.param_dtype, self.reduce_dtype)
-        if len(self.slots) == 1:
-            split = [gathered]
-        else:
-            split = torch.split_with_sizes_copy(
-                gathered.view(self.world, self.numel), self.split_sizes, dim=1)
-        return tuple(g.on_tp_mesh(_unpad(self, slot, piece))
-                     for g, slot, piece in zip(self.params, self.slots, split))
+        """The bucket gathered inside ``torch.compile`` (Note [Compiled buckets] in
+        ``_compiled.py``)."""
+        return traced_gather(self)
 
     def issue_all_gather(self, tagged: bool) -> torch.Tensor:
         """Start this bucket's all-gather without waiting (Note [Prefetch])."""
@@ -448,7 +369,7 @@ class _GatherBucket(torch.autograd.Function):
         ctx.kept = None
         if reuse is not None:  # a recompute served from the forward's gather
             bucket.keeper.adopt(reuse, ctx)
-            return tuple(_unpad(bucket, slot, p) for slot, p in zip(bucket.slots, reuse.pieces))
+            return tuple(unpad(bucket.world, slot, p) for slot, p in zip(bucket.slots, reuse.pieces))
         if not bucket.copies():  # DDP without a cast: aliases of the stored shards, no views,
             return tuple(p._local_tensor.detach() for p in params)  # so in place is as in DDP
         # No FSDP op to checkpoint under inference_mode (which would also turn the cast
@@ -461,17 +382,13 @@ class _GatherBucket(torch.autograd.Function):
                 bucket._gather_input(params, tagged), bucket.world, bucket.group_name))
         else:  # DDP with a cast: the cast shard is the whole parameter
             gathered = bucket._gather_input(params, tagged)
-        if len(bucket.slots) == 1:  # already laid out rank-major like the parameter
-            pieces = [gathered]
-        else:  # each piece tagged as its parameter (FSDPTag.parts)
-            pieces = torch.split_with_sizes_copy(
-                gathered.view(bucket.world, bucket.numel), bucket.split_sizes, dim=1)
+        pieces = copy_out(gathered, bucket.world, bucket.numel, bucket.split_sizes)  # tagged by FSDPTag.parts
         if tagged:  # compute gets plain tensors (Note [Marked handout] in _tag.py)
             pieces = [mark_gathered(p._elem, tag) for p, tag in zip(pieces, bucket.tag.parts)]
         if keep is not None:
             bucket.keeper.keep(KeptGather(pieces, params, bucket.keeper), keep, ctx)
         # views made here: autograd refuses in-place ops on them (grad on)
-        return tuple(_unpad(bucket, slot, p) for slot, p in zip(bucket.slots, pieces))
+        return tuple(unpad(bucket.world, slot, p) for slot, p in zip(bucket.slots, pieces))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -494,56 +411,3 @@ class _GatherBucket(torch.autograd.Function):
                 g = g.to(spec.tensor_meta.dtype)
             out.append(DTensor(g, spec, requires_grad=False))
         return (None, None, None, None, None, *out)
-
-
-class _BucketCollectives(torch.autograd.Function):
-    """Compiled buckets' collectives (Note [Compiled buckets]): cast + all-gather in
-    forward; in backward the gradient in ``reduce_dtype``, reduce-scattered (HSDP:
-    then all-reduced over replicas) and averaged, as eager's ``_GatherBucket`` does."""
-
-    @staticmethod
-    def forward(ctx, flat, world, group, replicas, replicate_group, param_dtype, reduce_dtype):
-        ctx.world, ctx.group, ctx.replicas, ctx.replicate_group = world, group, replicas, replicate_group
-        ctx.in_dtype = flat.dtype
-        ctx.reduce_dtype = reduce_dtype
-        if param_dtype is not None and param_dtype != flat.dtype:
-            flat = flat.to(param_dtype)
-        if world > 1:
-            flat = c10d.wait_tensor(c10d.all_gather_into_tensor(flat, world, group))
-        return flat
-
-    @staticmethod
-    def backward(ctx, grad):
-        if ctx.reduce_dtype is not None and grad.dtype != ctx.reduce_dtype:
-            grad = grad.to(ctx.reduce_dtype)
-        else:
-            grad = grad.clone()  # averaged in place below
-        grad = reduce_gradient(grad, gradient_reduction(ctx.world, ctx.group, ctx.replicas, ctx.replicate_group,
-                                                        grad.dtype))
-        if grad.dtype != ctx.in_dtype:
-            grad = grad.to(ctx.in_dtype)
-        return grad, None, None, None, None, None, None
-
-
-def _unpad(bucket: Bucket, slot: _Slot, piece: torch.Tensor) -> torch.Tensor:
-    """A copied-out piece as its parameter: padded rows viewed, the padding cut off."""
-    p = piece.view(bucket.world * slot.padded_rows, *slot.rest)
-    return p.narrow(0, 0, slot.rows) if p.shape[0] != slot.rows else p
-
-
-
-_LIVE: weakref.WeakSet[Bucket] = weakref.WeakSet()
-
-
-def _unbind_all(_args) -> None:
-    for bucket in list(_LIVE):
-        bucket.unbind_for_compile()
-    if _LIVE:  # Note [Compiled buckets]: a bucket root's gather inside someone's checkpoint
-        allow_checkpoint_side_effects()
-
-
-def watch_compiles() -> None:
-    """Unbind every live bucket when dynamo starts compiling (Note [Bound storage]);
-    idempotent, and cheap enough for every root forward (``torch._dynamo.reset``
-    forgets the callback)."""
-    on_compile_start(_unbind_all)

@@ -1,4 +1,6 @@
-"""Activation checkpointing that decides FSDP results by their tag.
+"""The selective-checkpoint policy that decides FSDP results by their tag (it depends
+on the tag alone; ``apply_ac``, which checkpoints a model's blocks with it, is in
+``_ac.py``).
 
 Note [Tagged checkpoint policy]
 -------------------------------
@@ -40,44 +42,30 @@ the same decision for every op as 2.13's look at the output
 (``tests/unit/test_policy_tags.py`` checks the two agree op by op). The recompute
 mode gets a policy of its own, so a stateful base (every second ``mm``) counts
 afresh in the recompute and decides as in forward.
-
-``apply_ac(model, "full")`` needs no policy where fsdptag keeps the block's zero2
-gathers for the recompute anyway (Note [zero2 kept until backward] in ``_keep.py``):
-there it is a plain non-reentrant checkpoint, which skips SAC's per-op dispatch and
-allows a second backward; elsewhere (a tied weight also used outside the block:
-Note [Checkpointed bucket roots] makes every other checkpointed block a bucket
-root) it is this policy with ``base=None``.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable
 
 import torch
-import torch.nn as nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint
+from torch.utils.checkpoint import CheckpointPolicy
 
-from ._api import ACMode
-from ._bucket import scoped
-from ._blocks import AC_CONTEXT_FN, find_blocks, is_checkpointed
-from ._class_swap import register_kind, swap_class, user_class
 from ._compat import (
     SAC_POLICY_SEES_OUTPUT,
     SACCachedMode,
     SACCachingMode,
-    is_compiling,
     is_sac_replay_error,
     sac_cached_mode_args,
     sac_storage,
 )
-from ._state import drop_pregathered, make_bucket_root, module_state, pregather
 from ._tag import first_tag, get_fsdp_tag, output_tag
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
-__all__ = ["DEFAULT_SAVE_OPS", "apply_ac", "checkpoint_blocks", "checkpoint_context_fn", "checkpoint_policy"]
+__all__ = ["DEFAULT_SAVE_OPS", "SaveOps", "as_policy", "checkpoint_context_fn", "checkpoint_policy", "fresh_base"]
 
 Policy = Callable[..., CheckpointPolicy]
 _ALL_GATHER = c10d.all_gather_into_tensor.default
@@ -99,7 +87,7 @@ DEFAULT_SAVE_OPS = frozenset(
 ``max``), as torchtitan's op-level SAC does; every second ``mm`` is still recomputed."""
 
 
-class _SaveOps:
+class SaveOps:
     """Save the outputs of ``ops``, except every second ``mm`` (torchtitan's rule).
 
     Holds a per-region ``mm`` counter: ``checkpoint_context_fn`` makes a fresh
@@ -113,8 +101,8 @@ class _SaveOps:
         self.every_other_mm = every_other_mm
         self.mm_count = [0, 0]  # forward, recompute
 
-    def fresh(self) -> "_SaveOps":
-        return _SaveOps(self.ops, self.every_other_mm)
+    def fresh(self) -> "SaveOps":
+        return SaveOps(self.ops, self.every_other_mm)
 
     def __call__(self, ctx, func, *args, **kwargs) -> CheckpointPolicy:
         if func is aten.mm.default and self.every_other_mm:
@@ -132,10 +120,10 @@ def _op_named(name: str):
 
 def fresh_base(base):
     """``base`` as one checkpointed call should get it: stateful save lists copied."""
-    return base.fresh() if isinstance(base, _SaveOps) else base
+    return base.fresh() if isinstance(base, SaveOps) else base
 
 
-def _as_policy(base) -> Policy:
+def as_policy(base) -> Policy:
     if base is None:
         return lambda ctx, func, *args, **kwargs: CheckpointPolicy.PREFER_RECOMPUTE
     if isinstance(base, (list, tuple, set, frozenset)):
@@ -145,7 +133,7 @@ def _as_policy(base) -> Policy:
                 f"base op list holds {bad[0]!r}, which is not an OpOverload; name the overload, "
                 "e.g. torch.ops.aten.mm.default rather than torch.ops.aten.mm"
             )
-        return _SaveOps(base, every_other_mm=False)
+        return SaveOps(base, every_other_mm=False)
     if callable(base):
         return base
     raise TypeError(
@@ -166,7 +154,7 @@ def checkpoint_policy(base=None) -> Policy:
         >>> policy = fsdptag.checkpoint_policy([torch.ops.aten.mm.default])
         >>> ctx_fn = functools.partial(create_selective_checkpoint_contexts, policy)
     """
-    base_fn = _as_policy(base)
+    base_fn = as_policy(base)
     save, recompute = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.MUST_RECOMPUTE
 
     def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
@@ -287,9 +275,9 @@ def checkpoint_context_fn(base=None, *, policy_factory: Callable[[], Any] | None
             raise TypeError(f"policy_factory={policy_factory!r} must be a zero-argument callable returning a policy")
         spec = ("factory", policy_factory)
     else:
-        checked = _as_policy(base)  # validate now, not at the first forward
+        checked = as_policy(base)  # validate now, not at the first forward
         spec = (("ops", tuple(sorted(map(str, checked.ops))), checked.every_other_mm)
-                if isinstance(checked, _SaveOps) else ("base", base))
+                if isinstance(checked, SaveOps) else ("base", base))
     # A partial of a module-level function over plain data: dynamo's checkpoint takes it
     # (a function or a partial, not any callable), and a checkpointed model pickles
     # (Note [Pickling generated classes] in _class_swap.py).
@@ -300,9 +288,9 @@ def _fresh_base(spec: tuple):
     """The user's part of the policy for one region, from ``checkpoint_context_fn``'s spec."""
     kind = spec[0]
     if kind == "factory":
-        return _as_policy(spec[1]())
+        return as_policy(spec[1]())
     if kind == "ops":
-        return _SaveOps(map(_op_named, spec[1]), every_other_mm=spec[2])
+        return SaveOps(map(_op_named, spec[1]), every_other_mm=spec[2])
     return spec[1]
 
 
@@ -314,133 +302,3 @@ def _tagged_context(spec: tuple) -> tuple[Any, Any]:
         # its own policy: torch 2.11 asks it again, with a fresh count of its own
         _CheckingCachedMode(checkpoint_policy(_fresh_base(spec)), storage, gathered),
     )
-
-
-# ---------------------------------------------------------------- apply_ac
-
-_AC_FULL = "_fsdptag_ac_full"  # full AC: plain checkpoint where that keeps zero2 gathered
-
-
-def _checkpointed_forward(cls: type) -> dict:
-    def forward(self, *args, **kwargs):
-        fn = functools.partial(cls.forward, self)
-        if is_compiling():  # Note [Compiled gathers]
-            gathers = pregather(self)
-            try:
-                return checkpoint(fn, *args, use_reentrant=False, context_fn=self.__dict__[AC_CONTEXT_FN],
-                                  **kwargs)
-            finally:
-                drop_pregathered(gathers)
-        state = module_state(self)
-        if state is not None and state.buckets:  # the gather scope must be inside the region: Note [Buckets]
-            fn = scoped(state.buckets, fn)
-        if self.__dict__.get(_AC_FULL) and _zero2_gathers_kept(self):
-            return checkpoint(fn, *args, use_reentrant=False, **kwargs)
-        return checkpoint(fn, *args, use_reentrant=False, context_fn=self.__dict__[AC_CONTEXT_FN], **kwargs)
-
-    return {"forward": forward}
-
-
-register_kind("Checkpointed", lambda cls, key: _checkpointed_forward(cls))
-
-
-def _zero2_gathers_kept(block: nn.Module) -> bool:
-    """Whether plain checkpointing of ``block`` re-gathers nothing in its recompute: it is
-    parametrized and each of its zero2 parameters that all-gathers is kept for the
-    recompute, in a bucket rooted in the block or alone (Note [zero2 kept until
-    backward]). Otherwise (a tied weight bucketed outside the block)
-    full AC runs as a selective checkpoint whose policy saves the zero2 all-gathers."""
-    states = [s for s in map(module_state, block.modules()) if s is not None]
-    own = {id(b) for s in states for b in s.buckets}
-    return bool(states) and all(
-        id(g.bucket) in own if g.bucket is not None
-        else g.keeper is not None or g.tag.reshard_after_forward or not g.collective
-        for s in states for g in s.params.values())
-
-
-def apply_ac(
-    model: nn.Module,
-    mode: str | ACMode,
-    *,
-    blocks: Sequence[nn.Module] | None = None,
-    save_ops: Iterable | None = None,
-    layer_every: int | None = None,
-) -> nn.Module:
-    """Checkpoint ``model``'s blocks with fsdptag's tagged policy, torchtitan style.
-
-    ``mode``: ``"none"``, ``"full"`` (recompute everything but zero2 gathered
-    parameters: plain non-reentrant checkpointing where fsdptag keeps the block's zero2
-    gathers for the recompute, Note [zero2 kept until backward]; else a selective
-    checkpoint that saves them) or ``"selective"``: without ``layer_every``, op-level SAC saving
-    ``save_ops`` (default :data:`DEFAULT_SAVE_OPS`, every second ``mm``
-    recomputed); with ``layer_every=N``, full AC on every Nth block (blocks
-    N-1, 2N-1, ...), torchtitan's layer-selective AC. ``blocks`` defaults to the
-    model's blocks (Note [Blocks]: children of ``nn.ModuleList`` / ``nn.ModuleDict``,
-    e.g. ``model.model.layers`` of a Hugging Face model), the same modules
-    ``bucket="blocks"`` gathers together. Works before or after ``fsdptag.parametrize``.
-
-    Example::
-
-        >>> fsdptag.parametrize(model, mesh, mode="fully_shard", reshard_after_forward=False)
-        >>> fsdptag.apply_ac(model, "selective")
-    """
-    mode, base, blocks = _parse_ac(model, mode, blocks, save_ops, layer_every)
-    if mode is not ACMode.NONE:
-        checkpoint_blocks(blocks, lambda: checkpoint_context_fn(base), layer_every,
-                          full=mode is ACMode.FULL or layer_every is not None)
-    return model
-
-
-def _parse_ac(model, mode, blocks, save_ops, layer_every):
-    """Validate ``apply_ac``'s arguments; return (mode, base policy, blocks)."""
-    try:
-        mode = ACMode(mode)
-    except ValueError:
-        raise ValueError(
-            f"unknown AC mode={mode!r}; use one of {', '.join(repr(m.value) for m in ACMode)}"
-        ) from None
-    if layer_every is not None and (isinstance(layer_every, bool) or not isinstance(layer_every, int)
-                                    or layer_every < 1):
-        raise ValueError(f"layer_every={layer_every!r} must be a positive int (1 = every block)")
-    if save_ops is not None:
-        if mode is not ACMode.SELECTIVE:
-            raise ValueError(f"save_ops only applies to mode='selective', not {mode.value!r}")
-        save_ops = list(save_ops)
-        _as_policy(save_ops)
-    if blocks is None:
-        blocks = [block for _, block in find_blocks(model)]
-        if not blocks:
-            raise ValueError(
-                f"{user_class(type(model)).__name__} has no blocks (children of an nn.ModuleList or "
-                "nn.ModuleDict); pass blocks=[...] explicitly"
-            )
-    blocks = list(blocks)
-    for block in blocks:
-        if is_checkpointed(block):
-            raise ValueError(f"{type(block).__name__} already has activation checkpointing applied")
-    if save_ops is not None:
-        base = _SaveOps(save_ops, every_other_mm=False)
-    elif mode is ACMode.SELECTIVE and layer_every is None:
-        base = _SaveOps(DEFAULT_SAVE_OPS)
-    else:
-        base = None
-    return mode, base, blocks
-
-
-def checkpoint_blocks(
-    blocks: Sequence[nn.Module], make_context_fn: Callable[[], Callable], layer_every: int | None = None,
-    full: bool = False,
-) -> None:
-    """Checkpoint every ``layer_every``-th of ``blocks`` (all by default) with ``make_context_fn()``.
-
-    The block keeps its FQN and parameters: its class gains a ``forward`` that runs
-    the original one under non-reentrant ``checkpoint``.
-    """
-    every = layer_every or 1
-    for i, block in enumerate(blocks):
-        if (i + 1) % every:
-            continue
-        make_bucket_root(block)  # Note [Checkpointed bucket roots]
-        block.__dict__[AC_CONTEXT_FN] = make_context_fn()
-        block.__dict__[_AC_FULL] = full
-        swap_class(block, "Checkpointed")

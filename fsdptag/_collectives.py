@@ -1,5 +1,6 @@
 """The gradient reduction of a bucket: pure functions, shared by the eager autograd
-Function and the compiled path (Note [Buckets], Note [Compiled buckets] in ``_bucket.py``).
+Function (Note [Buckets] in ``_bucket.py``) and the compiled path (Note [Compiled
+buckets] in ``_compiled.py``).
 
 Note [Gradient reduction]
 -------------------------

@@ -24,7 +24,7 @@ Note [Compiled gathers]
 Inside ``torch.compile`` (``torch.compiler.is_compiling()``) the eager runtime
 steps aside: no scopes, prefetch, zero3 saved-tensor hooks or tags; the root's
 hooks only cast inputs. A bucket is gathered in the graph as one all-gather (Note
-[Compiled buckets] in ``_bucket.py``); a parameter gathered alone, untagged
+[Compiled buckets] in ``_compiled.py``); a parameter gathered alone, untagged
 (``gather_in_graph``: the same ``redistribute`` with the dtype cast, so the values
 are bitwise those of eager), SimpleFSDP style:
 

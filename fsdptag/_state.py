@@ -39,7 +39,8 @@ import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
 from ._api import MixedPrecisionPolicy
-from ._bucket import Bucket, scoped, watch_compiles
+from ._bucket import Bucket, scoped
+from ._compiled import watch_compiles
 from ._class_swap import register_kind, swap_class
 from ._compat import apply_to_tensors, at_backward_end, is_compiling
 from ._context import grad_mode_trains, running_backward
@@ -151,7 +152,7 @@ def module_state(module: nn.Module) -> ModuleState | None:
 def pregather(block: nn.Module) -> list[ParamGather]:
     """In compiled code, gather ``block``'s buckets and its zero2 parameters gathered
     alone now, before the caller opens its checkpoint region (Note [Compiled buckets]
-    in ``_bucket.py``); the caller hands the list to :func:`drop_pregathered` after it
+    in ``_compiled.py``); the caller hands the list to :func:`drop_pregathered` after it
     (Note [Compiled gathers]). Plain loops: dynamo traces them."""
     gathers = []
     if not flags.active:  # disable_active_parametrization: accesses return the stored shards
@@ -173,7 +174,7 @@ def pregather(block: nn.Module) -> list[ParamGather]:
 
 def pregather_buckets(buckets) -> list[ParamGather]:
     """In compiled code, a bucket root's ``forward`` gathers its buckets not gathered
-    yet (Note [Compiled buckets] in ``_bucket.py``), each in its own checkpoint region."""
+    yet (Note [Compiled buckets] in ``_compiled.py``), each in its own checkpoint region."""
     gathers = []
     if not flags.active:
         return gathers

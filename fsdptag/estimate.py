@@ -64,7 +64,7 @@ from torch.utils.flop_counter import flop_registry
 
 from ._api import MixedPrecisionPolicy, ReshardPolicy
 from ._blocks import find_blocks
-from ._checkpoint import apply_ac
+from ._ac import apply_ac
 from ._compat import fake_store, gqa_sdpa_flop_formulas, in_backward
 from ._parametrize import parametrize
 from ._plan import _reshard_resolver

@@ -215,3 +215,37 @@ def test_compiled_checkpoint_saving_a_mesh_and_an_rng_state(fake_pg):
 def test_dynamo_checkpoint_side_effect_switch_exists():
     # Note [Compiled buckets]: fsdptag sets it when compiling (torchtitan does too).
     assert torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint in (False, True)
+
+
+def test_sac_policy_sees_output_where_the_context_has_it():
+    # torch 2.13+ passes the op's output to the policy; 2.11 calls it before the op.
+    from torch.utils.checkpoint import SelectiveCheckpointContext
+
+    seen = []
+
+    def policy(ctx, func, *args, **kwargs):
+        seen.append(getattr(ctx, "op_output", "absent"))
+        return CheckpointPolicy.MUST_SAVE
+
+    x = torch.randn(3, requires_grad=True)
+    checkpoint(lambda t: t.sin(), x, use_reentrant=False,
+               context_fn=lambda: create_selective_checkpoint_contexts(policy)).sum().backward()
+    assert compat.SAC_POLICY_SEES_OUTPUT == ("op_output" in vars(SelectiveCheckpointContext(is_recompute=False)))
+    if compat.SAC_POLICY_SEES_OUTPUT:
+        assert isinstance(seen[0], torch.Tensor)
+    else:
+        assert seen[0] == "absent"
+    storage = compat.sac_storage()
+    assert isinstance(storage["op"], dict if compat.SAC_POLICY_SEES_OUTPUT else list)
+
+
+def test_gqa_sdpa_flops_count_kv_heads_broadcast():
+    # torch 2.11's formulas assert equal heads; the widened ones count GQA as 2.13+ does.
+    from torch.utils.flop_counter import flop_registry
+
+    aten = torch.ops.aten
+    formulas = compat.gqa_sdpa_flop_formulas(flop_registry)
+    q = torch.empty(2, 8, 16, 32, device="meta")
+    kv, kv_full = torch.empty(2, 2, 16, 32, device="meta"), torch.empty(2, 8, 16, 32, device="meta")
+    for op in (aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_efficient_attention):
+        assert formulas[op](q, kv, kv, out_val=None) == formulas[op](q, kv_full, kv_full, out_val=None) > 0

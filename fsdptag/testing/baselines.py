@@ -18,7 +18,8 @@ import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from .._compat import SAC_POLICY_SEES_OUTPUT
-from .._checkpoint import _as_policy, _parse_ac, checkpoint_blocks, fresh_base
+from .._ac import checkpoint_blocks, parse_ac
+from .._checkpoint import as_policy, fresh_base
 from .._tag import innermost, is_fsdp_tagged, output_tag
 
 __all__ = ["NAME_SAVED_OPS", "OpNamePolicy", "apply_baseline_ac"]
@@ -41,7 +42,7 @@ class OpNamePolicy:
     """
 
     def __init__(self, base, untagged_saved: dict | None = None) -> None:
-        self.base = _as_policy(base)
+        self.base = as_policy(base)
         self.untagged_saved = untagged_saved if untagged_saved is not None else {}
 
     def __call__(self, ctx, func, *args, **kwargs) -> CheckpointPolicy:
@@ -83,14 +84,14 @@ def apply_baseline_ac(
     """Like :func:`fsdptag.apply_ac` but with the ``"op-name"`` or ``"no-fix"`` policy."""
     if policy not in ("op-name", "no-fix"):
         raise ValueError(f"policy={policy!r}: use 'op-name' or 'no-fix'")
-    mode, base, blocks = _parse_ac(model, mode, None, save_ops, layer_every)
+    mode, base, blocks = parse_ac(model, mode, None, save_ops, layer_every)
     if mode.value == "none":
         return model
 
     def make_context_fn():
         def context_fn():
             fresh = fresh_base(base)
-            chosen = OpNamePolicy(fresh, untagged_saved) if policy == "op-name" else _as_policy(fresh)
+            chosen = OpNamePolicy(fresh, untagged_saved) if policy == "op-name" else as_policy(fresh)
             return create_selective_checkpoint_contexts(chosen)
 
         return context_fn
