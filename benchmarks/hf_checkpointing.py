@@ -44,8 +44,8 @@ def _checkpoint(model, path: str) -> None:
             layer.forward = (lambda f: lambda *a, **k: checkpoint(  # kwargs as HF passes them
                 functools.partial(f, **k), *a, use_reentrant=path == "reentrant"))(forward)
     elif path.startswith("hf"):
-        model.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": True} if path == "hf reentrant" else None)
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": True} if path == "hf reentrant" else None)
     elif path.startswith("fsdptag"):
         fsdptag.apply_ac(model, path.removeprefix("fsdptag "))
 

@@ -9,7 +9,7 @@ The model comes from a small ``LlamaConfig`` (or ``--model-dir``, a local direct
 ``from_pretrained`` reads: nothing is downloaded). Data: the bytes of a text file
 (``--data``, default: this program's own source), as tokens of a 256-token vocabulary.
 Each step prints loss and backward FSDP all-gathers (0 for zero2, also under
-``gradient_checkpointing_enable()``) on a progress bar. ``--checkpoint-dir`` saves
+``activation_checkpointing_enable()``) on a progress bar. ``--checkpoint-dir`` saves
 model and optimizer with DCP every ``--checkpoint-every`` steps and resumes from the
 newest one; ``--save-pretrained`` writes a ``from_pretrained`` directory through a
 full state dict (the stored shards of one bucket share a buffer, which
@@ -44,7 +44,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--reshard-after-forward", default="false", choices=["true", "false"])
     p.add_argument("--mp", default="bf16", choices=["fp32", "bf16"])
     p.add_argument("--ac", default="hf", choices=["none", "hf", "full", "selective"],
-                   help="hf: model.gradient_checkpointing_enable(); full/selective: fsdptag.apply_ac")
+                   help="hf: model.activation_checkpointing_enable(); full/selective: fsdptag.apply_ac")
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=10)
     p.add_argument("--save-pretrained", default=None, help="write a from_pretrained directory at the end")
@@ -98,7 +98,7 @@ def main() -> None:
     fsdptag.parametrize(model, mesh, reshard_after_forward=args.reshard_after_forward == "true", mp_policy=mp)
     model.train()
     if args.ac == "hf":
-        model.gradient_checkpointing_enable()
+        model.activation_checkpointing_enable()
     elif args.ac != "none":
         fsdptag.apply_ac(model, args.ac)
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=False)

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PARAM, CKPT, EST, REL, INTEG = ("tests/test_parametrize.py", "tests/test_checkpoint.py", "tests/test_estimate.py",
-                                "tests/test_reliability.py", "tests/test_integrations.py")
+PARAM, CKPT, EST, REL, INTEG, UNIT = ("tests/test_parametrize.py", "tests/test_checkpoint.py", "tests/test_estimate.py",
+                                      "tests/test_reliability.py", "tests/test_integrations.py", "tests/unit")
 
 
 @dataclass(frozen=True)
@@ -57,13 +57,13 @@ MUTANTS = [
            "fsdptag/_reshard.py", "        if self.pending == 0:\n            self.buffers = None\n", "",
            (PARAM, REL)),
     Mutant("zero3-pack-keeps", "zero3 pack hook keeps zero3 tensors (condition inverted: no freeing)",
-           "fsdptag/_reshard.py", "if tag is None or not tag.reshard_after_forward:",
-           "if tag is None or tag.reshard_after_forward:", (PARAM,)),
+           "fsdptag/_reshard.py", "        if not tag.reshard_after_forward:\n            return t",
+           "        if tag.reshard_after_forward:\n            return t", (PARAM,)),
     Mutant("bucket-marks-reversed", "bucket copy-out marks piece i with the tag of the mirrored parameter",
            "fsdptag/_bucket.py", "zip(pieces, bucket.tag.parts)", "zip(pieces, reversed(bucket.tag.parts))",
            (PARAM,)),
     Mutant("slot-floor-rows", "bucket slot padded to rows // world instead of ceil(rows / world)",
-           "fsdptag/_bucket.py", "_Slot(offset, rows, -(-rows // self.world),", "_Slot(offset, rows, rows // self.world,",
+           "fsdptag/_layout.py", "Slot(offset, rows, -(-rows // world),", "Slot(offset, rows, rows // world,",
            (PARAM,)),
     Mutant("bucket-no-version-check", "bucket scope no longer checks version counters when forward returns",
            "fsdptag/_bucket.py",
@@ -93,27 +93,35 @@ MUTANTS = [
     Mutant("prefetch-order-in-ac", "prefetch order also links gathers inside AC regions",
            "fsdptag/_prefetch.py", "if a_free and b_free and b.world > 1}", "if b.world > 1}", (PARAM,)),
     Mutant("no-input-cast", "root pre-forward casts the inputs but drops the result (missing return)",
-           "fsdptag/_state.py", "            return apply_to_tensors(self._cast, (args, kwargs))",
-           "            apply_to_tensors(self._cast, (args, kwargs))", (PARAM,)),
+           "fsdptag/_state.py", "            return apply_to_tensors(self._cast, (args, kwargs))\n        return None",
+           "            apply_to_tensors(self._cast, (args, kwargs))\n        return None", (PARAM,)),
     Mutant("zero3-hooks-in-backward", "zero3 hooks also pushed inside backward (recompute)",
-           "fsdptag/_reshard.py", "            and not in_backward()  # not a recompute inside backward\n", "",
-           (INTEG,)),
+           "fsdptag/_reshard.py", "(context is GatherContext.FORWARD and when_none)",
+           "(context in (GatherContext.FORWARD, GatherContext.RECOMPUTE) and when_none)", (INTEG,)),
+    Mutant("others-hooks-win", "someone else's saved-tensor hooks get the gathered parameters (save_on_cpu: zero3 kept)",
+           "fsdptag/_reshard.py", "if context is not GatherContext.OTHER_HOOKS and not (", "if not (", (UNIT,)),
+    Mutant("policy-tag-no-views", "torch 2.11's derived output tag misses views of a marked handout",
+           "fsdptag/_tag.py", "    if args and _aliases_input(func):\n", "    if False:\n", (UNIT,)),
     Mutant("hsdp-no-replicate-reduce", "bucket backward all-reduces over the replicate dim only for DDP (HSDP skips it)",
-           "fsdptag/_bucket.py", "if bucket.replicate_group is not None:",
-           "if bucket.replicate_group is not None and bucket.world == 1:", (PARAM,)),
-    Mutant("bucket-avg-ignores-replicas", "bucket gradient average divides by the shard world only (not replicas)",
-           "fsdptag/_bucket.py", "local.div_(bucket.world * bucket.replicas)", "local.div_(bucket.world)", (PARAM,)),
+           "fsdptag/_collectives.py", "if r.replicate_group is not None:",
+           "if r.replicate_group is not None and r.world == 1:", (PARAM,)),
+    Mutant("bucket-avg-ignores-replicas", "bucket gradient all-reduce sums over replicas instead of averaging",
+           "fsdptag/_collectives.py", "c10d.all_reduce(flat, r.op, r.replicate_group)",
+           'c10d.all_reduce(flat, "sum", r.replicate_group)', (PARAM,)),
+    Mutant("bucket-grad-sum", "bucket gradients summed, not averaged, in fp32 / bf16",
+           "fsdptag/_collectives.py", 'replicate_group, "avg", None, None)', 'replicate_group, "sum", None, None)',
+           (PARAM,)),
     Mutant("param-grad-sum", "per-parameter gradients reduced with sum instead of avg",
            "fsdptag/_param.py", '(Partial("avg"),)', '(Partial("sum"),)', (PARAM,)),
     Mutant("scope-ignores-ac-region", "bucket scope serves accesses from any checkpoint region",
-           "fsdptag/_bucket.py", "if not self.scopes or self.scopes[-1].region is not current_sac_region():",
+           "fsdptag/_bucket.py", "if not self.scopes or self.scopes[-1].region is not sac_region():",
            "if not self.scopes:",
            (CKPT,)),
     Mutant("keep-never-found", "a checkpoint's recompute never finds the zero2 gather kept for it (re-gathers)",
-           "fsdptag/_keep.py", "        if not in_backward() or current_sac_region() is not None:\n            return None\n"
+           "fsdptag/_keep.py", "        if ZERO2[gather_context()] is not Zero2.SERVE_KEPT:\n            return None\n"
            "        self.owned", "        return None\n        self.owned", (INTEG,)),
     Mutant("full-ac-plain-everywhere", "full AC is a plain checkpoint even where zero2 gathers are not kept (TP alone)",
-           "fsdptag/_checkpoint.py", "return bool(states) and all(", "return bool(states) or all(", (CKPT,)),
+           "fsdptag/_ac.py", "return bool(states) and all(", "return bool(states) or all(", (CKPT,)),
 ]
 
 # tests/harness.py's report of ranks that went out of step (a collective timed out).

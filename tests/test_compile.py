@@ -182,7 +182,7 @@ def _fsdp2_parity(mesh, dp_rank):
 
 
 def _hf_checkpointing(mesh, dp_rank):
-    """transformers' LlamaForCausalLM with its own ``gradient_checkpointing_enable()``
+    """transformers' LlamaForCausalLM with its own ``activation_checkpointing_enable()``
     and ``layer.compile()`` per decoder layer, as a Hugging Face user would: losses
     and parameters vs eager with the same checkpointing over 3 AdamW steps, and the
     FSDP all-gathers in the compiled layer graphs."""
@@ -195,7 +195,7 @@ def _hf_checkpointing(mesh, dp_rank):
             model = _hf_llama()
             fsdptag.parametrize(model, mesh, reshard_after_forward=reshard)
             model.train()
-            model.gradient_checkpointing_enable()
+            model.activation_checkpointing_enable()
             return model
 
         eager_losses, eager_params = _hf_train(build(), dp_rank)

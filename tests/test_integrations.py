@@ -4,6 +4,7 @@ Hugging Face transformers models."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 
 import pytest
@@ -12,6 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from expecttest import assert_expected_inline
+from torch.autograd.graph import save_on_cpu
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import checkpoint
@@ -396,19 +398,27 @@ def _hf_checkpointing(mesh, dp_rank):
     """All-gathers forward/backward with Hugging Face's own checkpointing."""
     out = {}
     for reshard in (False, True):
-        for how in ("none", "hf default", "hf reentrant", "fsdptag full", "fsdptag selective"):
+        for how in ("none", "hf default", "hf reentrant", "hf every 2", "hf + save_on_cpu", "fsdptag full",
+                    "fsdptag selective", "save_on_cpu"):
             model = _hf_llama()
             fsdptag.parametrize(model, mesh, reshard_after_forward=reshard, mp_policy=MP)
             model.train()
             if how.startswith("hf"):
                 kwargs = {"use_reentrant": True} if how == "hf reentrant" else None
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs,
+                                                      every_n_layers=2 if how == "hf every 2" else 1)
             elif how.startswith("fsdptag"):
                 fsdptag.apply_ac(model, how.removeprefix("fsdptag "))
+            # activations offloaded around the whole forward (pinned memory needs an accelerator)
+            offload = save_on_cpu(pin_memory=False) if how.endswith("save_on_cpu") else contextlib.nullcontext()
             ids = _hf_batch(0, dp_rank)[1]
-            _hf_loss(model, ids).backward()  # warm-up
+            with offload:
+                loss = _hf_loss(model, ids)
+            loss.backward()  # warm-up
             with CollectiveCounter(mesh) as cc:
-                _hf_loss(model, ids).backward()
+                with offload:
+                    loss = _hf_loss(model, ids)
+                loss.backward()
             out[f"zero{3 if reshard else 2} {how}"] = (
                 cc.count("forward", "all_gather"), cc.count("backward", "all_gather"))
     return out
@@ -481,13 +491,19 @@ def test_hf_checkpointing_keeps_zero2_gathered(hf):
 zero2 none: 3/0
 zero2 hf default: 3/0
 zero2 hf reentrant: 3/0
+zero2 hf every 2: 3/0
+zero2 hf + save_on_cpu: 3/0
 zero2 fsdptag full: 3/0
 zero2 fsdptag selective: 3/0
+zero2 save_on_cpu: 3/0
 zero3 none: 3/3
 zero3 hf default: 3/3
 zero3 hf reentrant: 3/3
+zero3 hf every 2: 3/3
+zero3 hf + save_on_cpu: 3/3
 zero3 fsdptag full: 3/3
-zero3 fsdptag selective: 3/3""")
+zero3 fsdptag selective: 3/3
+zero3 save_on_cpu: 3/3""")
 
 
 def test_hf_names_and_saving(hf):
