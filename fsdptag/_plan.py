@@ -28,7 +28,7 @@ from ._param import ParamGather, ParamModuleInfo
 from ._state import ModuleState, RootState, module_state
 from ._tag import FSDPTag
 
-__all__ = ["ModuleChange", "Plan", "plan_parametrization"]
+__all__ = ["ModuleChange", "ParametrizePlan", "plan_parametrization"]
 
 
 @dataclass
@@ -45,7 +45,7 @@ class _Setting:
 
 
 @dataclass
-class Plan:
+class ParametrizePlan:
     """What ``parametrize`` will do to the model: nothing of it has happened yet."""
 
     root: RootState
@@ -69,12 +69,12 @@ class ModuleChange:
 
 
 def plan_parametrization(model: nn.Module, mesh, mode, reshard_after_forward, mp_policy,
-                         shard_dim, bucket, prefetch) -> Plan:
+                         shard_dim, bucket, prefetch) -> ParametrizePlan:
     """Validate everything and compute the sharded parameters and buckets, without
     touching ``model``."""
     setting, params = _validate(model, mesh, mode, reshard_after_forward, mp_policy, shard_dim,
                                 bucket, prefetch)
-    plan = Plan(RootState(setting.mp, prefetch), {}, {})
+    plan = ParametrizePlan(RootState(setting.mp, prefetch), {}, {})
     plan.state_of(model).is_root = True
     plan_parameters(plan, setting, params)
     if setting.shard_dim == 0 or setting.mode is DataParallelMode.REPLICATE:
@@ -123,7 +123,7 @@ def _validate(model, mesh, mode, reshard_after_forward, mp_policy, shard_dim, bu
     return _Setting(mode, dp_mesh, dp_placements, mp, shard_dim, reshard_of, roots), params
 
 
-def plan_parameters(plan: Plan, setting: _Setting, params: list) -> None:
+def plan_parameters(plan: ParametrizePlan, setting: _Setting, params: list) -> None:
     """A gather and a new sharded parameter per stored parameter (tied weights: one)."""
     seen: dict[int, ParamGather] = {}  # id(param) -> its gather
     for mfqn, module, name, param in params:
@@ -143,7 +143,7 @@ def plan_parameters(plan: Plan, setting: _Setting, params: list) -> None:
         plan.state_of(module).params[name] = gather
 
 
-def plan_buckets(plan: Plan, setting: _Setting) -> None:
+def plan_buckets(plan: ParametrizePlan, setting: _Setting) -> None:
     """Give each bucket root the parameters under it that no nearer root takes, in
     buckets (one flat buffer needs one dtype, one gather one reshard decision), bound
     to the new parameters."""

@@ -6,8 +6,11 @@ With ``parametrize(..., prefetch=True)`` a bucket's gather also issues, without
 waiting, the all-gather of the bucket that gathered right after it in the
 previous forward (the root's forward hooks record that order); that bucket's
 gather then only waits and copies out. On gloo the wait blocks the CPU, so this
-lets gloo's thread move the next block's parameters during this block's compute;
-on NCCL the CPU usually runs ahead of the GPU and overlap happens without it.
+lets gloo's thread move the next block's parameters during this block's compute.
+On NCCL a functional collective runs on the communicator's stream from its issue
+until the compute stream waits for it (``wait_tensor``), and only compute queued in
+between can hide it: without prefetch every gather is waited right after its issue,
+so nothing overlaps there either (not measured on a GPU).
 It costs one more gathered bucket alive, as in FSDP2.
 
 Only gathers outside activation-checkpointed regions take part. SAC replays a

@@ -116,12 +116,12 @@ MUTANTS = [
     Mutant("scope-ignores-ac-region", "bucket scope serves accesses from any checkpoint region",
            "fsdptag/_bucket.py", "if not self.scopes or self.scopes[-1].region is not sac_region():",
            "if not self.scopes:",
-           (CKPT,)),
+           (UNIT,)),
     Mutant("keep-never-found", "a checkpoint's recompute never finds the zero2 gather kept for it (re-gathers)",
            "fsdptag/_keep.py", "        if ZERO2[gather_context()] is not Zero2.SERVE_KEPT:\n            return None\n"
            "        self.owned", "        return None\n        self.owned", (INTEG,)),
     Mutant("full-ac-plain-everywhere", "full AC is a plain checkpoint even where zero2 gathers are not kept (TP alone)",
-           "fsdptag/_ac.py", "return bool(states) and all(", "return bool(states) or all(", (CKPT,)),
+           "fsdptag/_ac.py", "return bool(states) and all(", "return bool(states) or all(", (UNIT,)),
 ]
 
 # tests/harness.py's report of ranks that went out of step (a collective timed out).
