@@ -120,7 +120,7 @@ MUTANTS = [
     Mutant("keep-never-found", "a checkpoint's recompute never finds the zero2 gather kept for it (re-gathers)",
            "fsdptag/_keep.py", "        if ZERO2[gather_context()] is not Zero2.SERVE_KEPT:\n            return None\n"
            "        self.owned", "        return None\n        self.owned", (INTEG,)),
-    Mutant("full-ac-plain-everywhere", "full AC is a plain checkpoint even where zero2 gathers are not kept (TP alone)",
+    Mutant("full-ac-plain-everywhere", "full AC is a plain checkpoint even where zero2 gathers are not kept (a block reads a root-bucket parameter)",
            "fsdptag/_ac.py", "return bool(states) and all(", "return bool(states) or all(", (UNIT,)),
 ]
 
