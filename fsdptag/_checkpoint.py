@@ -284,7 +284,7 @@ def checkpoint_context_fn(base=None, *, policy_factory: Callable[[], Any] | None
     return functools.partial(_tagged_context, spec)
 
 
-def _fresh_base(spec: tuple):
+def _region_base(spec: tuple):
     """The user's part of the policy for one region, from ``checkpoint_context_fn``'s spec."""
     kind = spec[0]
     if kind == "factory":
@@ -298,7 +298,7 @@ def _tagged_context(spec: tuple) -> tuple[Any, Any]:
     storage = sac_storage()
     gathered: list = []
     return (
-        _RecordingCachingMode(checkpoint_policy(_fresh_base(spec)), storage, gathered),
+        _RecordingCachingMode(checkpoint_policy(_region_base(spec)), storage, gathered),
         # its own policy: torch 2.11 asks it again, with a fresh count of its own
-        _CheckingCachedMode(checkpoint_policy(_fresh_base(spec)), storage, gathered),
+        _CheckingCachedMode(checkpoint_policy(_region_base(spec)), storage, gathered),
     )

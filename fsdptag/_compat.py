@@ -101,7 +101,6 @@ __all__ = [
     "is_compiling",
     "on_compile_start",
     "is_sac_replay_error",
-    "others_saved_tensor_hooks_active",
     "gqa_sdpa_flop_formulas",
     "sac_cached_mode_args",
     "sac_storage",
@@ -294,11 +293,6 @@ def top_saved_tensor_hooks() -> tuple | None:
 def is_checkpoint_hook(pack) -> bool:
     """Whether ``pack`` is a non-reentrant checkpoint region's (forward or recompute)."""
     return getattr(pack, "__module__", None) == "torch.utils.checkpoint"
-
-
-def others_saved_tensor_hooks_active() -> bool:
-    """Whether saved-tensor hooks (e.g. a checkpoint region's) are active now."""
-    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
 
 
 def set_alias_storage(out: torch.Tensor, base: torch.Tensor) -> None:

@@ -76,9 +76,15 @@ def test_set_alias_storage():
 
 
 def test_saved_tensor_hooks_and_backward_probes():
-    assert not compat.others_saved_tensor_hooks_active()
-    with saved_tensors_hooks(lambda t: t, lambda t: t):
-        assert compat.others_saved_tensor_hooks_active()
+    assert compat.top_saved_tensor_hooks() is None
+    pack, unpack = (lambda t: t), (lambda t: t)
+    with saved_tensors_hooks(pack, unpack):
+        assert compat.top_saved_tensor_hooks() == (pack, unpack)
+        assert not compat.is_checkpoint_hook(pack)
+    in_region = []
+    checkpoint(lambda t: in_region.append(compat.top_saved_tensor_hooks()) or t.sin(),
+               torch.randn(2, requires_grad=True), use_reentrant=False)
+    assert compat.is_checkpoint_hook(in_region[0][0])  # a checkpoint's own hooks, told apart
     assert not compat.in_backward()
     seen = []
 
