@@ -95,7 +95,7 @@ from ._api import MixedPrecisionPolicy
 from ._compat import contiguous_strides, graph_task_id
 from ._compiled import forget_live, register_live, traced_gather
 from ._context import GatherContext, Zero2, gather_context, in_inference, sac_region
-from ._collectives import GradientReduction, gradient_reduction, reduce_gradient
+from ._collectives import GradientReduction, gradient_reduction
 from ._keep import KeptGather, Keeper
 from ._layout import copy_out, layout, pack, unpad
 from ._param import ParamGather, makes_copy
@@ -403,7 +403,11 @@ class _GatherBucket(torch.autograd.Function):
         ]
         packed = grads[0].new_empty(bucket.world, bucket.numel, dtype=bucket.reduce_dtype or grads[0].dtype)
         torch._chunk_cat(grads, dim=0, num_chunks=bucket.world, out=packed)
-        local = reduce_gradient(packed.view(-1), bucket.reduction(packed.dtype))
+        # in flight until first read (Note [Reductions in flight] in _collectives.py) unless
+        # the cast to the parameters' dtype reads it now
+        lazy = all(spec.tensor_meta.dtype == packed.dtype for spec in ctx.specs)
+        local = bucket.root.reducer.reduce(packed.view(-1), bucket.reduction(packed.dtype),
+                                           bucket.stored(), lazy)
         out = []
         for slot, spec, shape in zip(bucket.slots, ctx.specs, ctx.local_shapes):
             g = local.as_strided(shape, contiguous_strides(shape), slot.offset)

@@ -20,15 +20,42 @@ size 1                            ``sum`` (NCCL's ``avg`` is wrong at size 1)
 
 HSDP reduce-scatters over the shard dim and all-reduces over the replicate dim, each
 with the op above (``avg`` twice for fp32 / bf16), as FSDP2 does.
+
+Note [Reductions in flight]
+---------------------------
+On NCCL a functional collective runs on the communicator's stream from its issue
+until the compute stream waits for it, so a reduce-scatter waited right after its
+issue hides behind nothing. In eager code a bucket's backward therefore only
+*issues* its reduction (:class:`Reducer`) and hands autograd gradients that wait at
+their first use (AsyncCollectiveTensor views, as DTensor hands out its results):
+accumulating into ``.grad`` that is still ``None`` takes the gradient as it is, so
+the wait moves on to
+
+* the next bucket's reduction (at most ``limit``, default 1, in flight: their inputs
+  and outputs stay alive until waited, as FSDP2 holds one reduce-scatter), or
+* the end of the backward (a callback on the running backward), which waits for
+  every reduction still in flight and unwraps each stored parameter's gradient to a
+  plain local tensor, so gradients are final and plain when ``backward()`` returns.
+
+Meanwhile the backward of the blocks below runs. Waited at once, as before, where
+the gradient is read right away: a ``.grad`` that already holds a gradient (it is
+accumulated into, which reads it), a gradient cast from ``reduce_dtype`` to the
+parameter's dtype, the fp16 post-divide, and HSDP's reduce-scatter (its all-reduce
+is issued on the result; the all-reduce itself is in flight like the rest).
+Fake tensors and traced code wait at once too (``lazy_wait``).
 """
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 
-__all__ = ["GradientReduction", "gradient_reduction", "reduce_gradient"]
+from ._compat import AsyncCollectiveTensor, at_backward_end, lazy_wait, replace_local
+
+__all__ = ["GradientReduction", "Reducer", "gradient_reduction", "reduce_gradient"]
 
 c10d = torch.ops._c10d_functional
 
@@ -63,12 +90,77 @@ def gradient_reduction(world: int, group: str | None, replicas: int, replicate_g
 def reduce_gradient(flat: torch.Tensor, r: GradientReduction) -> torch.Tensor:
     """The averaged gradient shard of the flat (world, numel) gradient ``flat``, in
     ``flat``'s dtype; ``flat`` may be divided in place."""
+    return _finish(issue_reduction(flat, r), r)
+
+
+def issue_reduction(flat: torch.Tensor, r: GradientReduction) -> torch.Tensor | _Done:
+    """Start reducing ``flat``; the last collective's output, not waited (None: no
+    collective, ``flat`` is the result)."""
     if r.pre_divide is not None:
         flat.div_(r.pre_divide)
+    out = None
     if r.world > 1:
-        flat = c10d.wait_tensor(c10d.reduce_scatter_tensor(flat, r.op, r.world, r.group))
+        out = c10d.reduce_scatter_tensor(flat, r.op, r.world, r.group)
     if r.replicate_group is not None:
-        flat = c10d.wait_tensor(c10d.all_reduce(flat, r.op, r.replicate_group))
+        if out is not None:
+            flat = c10d.wait_tensor(out)
+        out = c10d.all_reduce(flat, r.op, r.replicate_group)
+    return out if out is not None else _Done(flat)
+
+
+class _Done:
+    """A reduction that issued no collective."""
+
+    __slots__ = ("flat",)
+
+    def __init__(self, flat: torch.Tensor) -> None:
+        self.flat = flat
+
+
+def _finish(pending, r: GradientReduction) -> torch.Tensor:
+    flat = pending.flat if isinstance(pending, _Done) else c10d.wait_tensor(pending)
     if r.post_divide is not None:
         flat.div_(r.post_divide)
     return flat
+
+
+class Reducer:
+    """The gradient reductions of one model still in flight (Note [Reductions in flight])."""
+
+    def __init__(self, limit: int = 1) -> None:
+        self.limit = limit
+        self.in_flight: collections.deque = collections.deque()  # issued outputs, oldest first
+        self.lazy_params: list[DTensor] = []  # whose gradients wait lazily, this backward
+        self._queued = False  # the end-of-backward callback
+
+    def __getstate__(self) -> dict:
+        return dict(self.__dict__, in_flight=collections.deque(), lazy_params=[], _queued=False)
+
+    def reduce(self, flat: torch.Tensor, r: GradientReduction, params, lazy: bool) -> torch.Tensor:
+        """The reduced gradient of ``flat``; with ``lazy`` still in flight, waited at its
+        first use, the next reduction or the end of this backward (``params``: the stored
+        parameters it is the gradient of)."""
+        if not lazy or r.post_divide is not None:
+            return reduce_gradient(flat, r)
+        while len(self.in_flight) >= self.limit:
+            c10d.wait_tensor(self.in_flight.popleft())
+        pending = issue_reduction(flat, r)
+        if isinstance(pending, _Done):
+            return pending.flat
+        self.in_flight.append(pending)
+        self.lazy_params += params
+        if not self._queued:
+            self._queued = True
+            at_backward_end(self.flush)
+        return lazy_wait(pending)
+
+    def flush(self) -> None:
+        """Wait for every reduction in flight; gradients become plain tensors."""
+        self._queued = False
+        while self.in_flight:
+            c10d.wait_tensor(self.in_flight.popleft())
+        params, self.lazy_params = self.lazy_params, []
+        for p in params:
+            g = p.grad
+            if isinstance(g, DTensor) and isinstance(g._local_tensor, AsyncCollectiveTensor):
+                replace_local(g, g._local_tensor.elem)

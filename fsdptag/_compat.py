@@ -21,7 +21,12 @@ SAC's error texts (``SAC_REPLAY_ERRORS``)           to re-raise replay failures 
 ``_prims_common.make_contiguous_strides_for``       the stride DTensor.from_local is told
 ``distributed.utils._apply_to_tensors``             casting nested forward inputs, as FSDP2 does
 ``placement_types._StridedShard``                   FSDP sharding a dim TP already shards
-``_functional_collectives.AsyncCollectiveTensor``  the all-gather output before its wait
+``_functional_collectives.AsyncCollectiveTensor``  the all-gather output before its wait;
+``_maybe_wrap_tensor``                              a gradient whose reduction is still in flight
+``DTensor._local_tensor`` (written)                 bound bucket storage; a gradient's local
+                                                   tensor unwrapped once its reduction is done
+``_python_dispatch`` mode stack pop / push          an all-gather issued ahead inside a SAC
+                                                   region, unseen by its replay (``sac_hidden``)
 ``testing._internal...fake_pg.FakeStore``           the estimator's ``fake`` process group
                                                    (imported on first use, by ``fake_store``)
 ``SelectiveCheckpointContext.op_output``            2.13+: the policy sees the op's output;
@@ -62,6 +67,7 @@ and the fix is not installed there. ``tests/test_compat.py`` pins all three.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import importlib
 import inspect
@@ -73,12 +79,13 @@ import torch._functorch.partitioners as partitioners
 from torch._functorch._aot_autograd import graph_compile
 from torch._prims_common import make_contiguous_strides_for
 from torch._subclasses.fake_tensor import unset_fake_temporarily
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed._functional_collectives import AsyncCollectiveTensor, _maybe_wrap_tensor
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.utils import _apply_to_tensors
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
 from torch.utils.checkpoint import SelectiveCheckpointContext, _CachedTorchDispatchMode, _CachingTorchDispatchMode
 
 __all__ = [
@@ -91,6 +98,9 @@ __all__ = [
     "StridedShard",
     "apply_to_tensors",
     "at_backward_end",
+    "lazy_wait",
+    "replace_local",
+    "sac_hidden",
     "concatenate_meshes",
     "contiguous_strides",
     "allow_checkpoint_side_effects",
@@ -267,6 +277,34 @@ def current_sac_region():
         if isinstance(mode, (_CachingTorchDispatchMode, _CachedTorchDispatchMode)):
             return mode
     return None
+
+
+@contextlib.contextmanager
+def sac_hidden():
+    """Ops run inside are unseen by every selective-checkpoint mode (and by the modes
+    above the outermost one): popped for the duration, pushed back after."""
+    stack = _get_current_dispatch_mode_stack()
+    sac = [i for i, m in enumerate(stack) if isinstance(m, (_CachingTorchDispatchMode, _CachedTorchDispatchMode))]
+    if not sac:
+        yield
+        return
+    popped = [_pop_mode() for _ in range(len(stack) - sac[0])]
+    try:
+        yield
+    finally:
+        for mode in reversed(popped):
+            _push_mode(mode)
+
+
+def lazy_wait(t: torch.Tensor) -> torch.Tensor:
+    """An issued collective's output, waited at its first use (an AsyncCollectiveTensor;
+    waited now when tracing or on fake tensors), as DTensor hands out its results."""
+    return _maybe_wrap_tensor(t)
+
+
+def replace_local(d: DTensor, local: torch.Tensor) -> None:
+    """Point DTensor ``d`` at ``local`` (same shape, dtype and device)."""
+    d._local_tensor = local
 
 
 def in_backward() -> bool:

@@ -42,6 +42,7 @@ from ._api import MixedPrecisionPolicy
 from ._bucket import Bucket, scoped
 from ._compiled import watch_compiles
 from ._class_swap import register_kind, swap_class
+from ._collectives import Reducer
 from ._compat import apply_to_tensors, at_backward_end, is_compiling
 from ._context import grad_mode_trains, running_backward
 from ._param import Handouts, ParamGather, flags
@@ -59,6 +60,7 @@ class RootState:
     def __init__(self, mp: MixedPrecisionPolicy, prefetch: bool) -> None:
         self.handouts = Handouts()
         self.prefetcher = Prefetcher() if prefetch else None
+        self.reducer = Reducer()  # Note [Reductions in flight] in _collectives.py
         self.saved_hooks: SavedTensorHooks | None = None
         self.cast_dtype = mp.param_dtype if mp.cast_forward_inputs else None
         self.handles: list[RemovableHandle] = []  # every hook fsdptag registered on the model

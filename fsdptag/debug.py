@@ -11,6 +11,7 @@ engine, not by module hooks.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import gc
 import time
 from dataclasses import dataclass
@@ -18,9 +19,11 @@ from typing import Iterable
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._compat import StorageWeakRef, in_backward, storage_expired, storage_from_weak, storage_use_count
+from ._compat import (AsyncCollectiveTensor, StorageWeakRef, in_backward, storage_expired, storage_from_weak,
+                      storage_use_count)
 from ._param import disable_tagging
 from ._tag import first_tag, innermost
 
@@ -55,10 +58,46 @@ class CollectiveEvent:
     group: str  # the mesh dim name(s) of the process group, or its group name
     fqn: str | None  # the FSDP parameter whose tag the input carried, else None
     nbytes: int  # bytes moved: the output of an all-gather, the input of anything else
+    # compute ops dispatched between its issue and its wait (Note [Compute in flight]);
+    # None: not waited under the counter
+    compute_in_flight: int | None = None
 
     @property
     def fsdp_tagged(self) -> bool:
         return self.fqn is not None
+
+    @property
+    def overlapped(self) -> bool:
+        """Whether compute was queued while it was in flight (Note [Compute in flight])."""
+        return bool(self.compute_in_flight)
+
+
+# Note [Compute in flight]
+# ------------------------
+# On NCCL a functional collective runs on the communicator's stream from its issue
+# until the compute stream waits for it (``wait_tensor``, or the first use of the
+# AsyncCollectiveTensor DTensor wraps it in): only the compute queued in between
+# hides it. The counter records, in dispatch order, each collective's issue, its
+# wait, and the compute ops dispatched in between (``CollectiveEvent.
+# compute_in_flight``). On CPU this is the measure that means something: gloo's
+# wait blocks either way. Compute = the ops that do a model's work: matmuls,
+# attention kernels, convolutions, embedding lookups, and their backward ops; not
+# copies, casts, views or other collectives.
+_COMPUTE_NAMES = frozenset((
+    "mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "_grouped_mm", "_scaled_mm",
+    "convolution", "convolution_backward", "embedding", "embedding_dense_backward",
+))
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    """The identity of ``t``'s storage, through wrappers (a collective's output is
+    re-wrapped on its way to the wait)."""
+    return innermost(t).untyped_storage()._cdata
+
+
+def _is_compute(func) -> bool:
+    name = func._opname
+    return func.namespace == "aten" and (name in _COMPUTE_NAMES or "attention" in name)
 
 
 def _tensor_bytes(x) -> int:
@@ -99,9 +138,15 @@ class CollectiveCounter(TorchDispatchMode):
             for i, name in enumerate(names):
                 self.labels.setdefault(mesh.get_group(i).group_name, name)
         self.events: list[CollectiveEvent] = []
+        self._compute = 0  # compute ops dispatched so far
+        self._in_flight: dict[int, tuple[int, int]] = {}  # output's storage -> (event index, compute at issue)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self._in_flight:
+            self._note_waits(func, args, kwargs)
+        if _is_compute(func):
+            self._compute += 1
         spec = _COLLECTIVES.get(func)
         if spec is not None:
             kind, group_idx = spec
@@ -119,7 +164,38 @@ class CollectiveCounter(TorchDispatchMode):
                 tag.fqn if tag is not None else None,
                 nbytes,
             ))
+            out = func(*args, **kwargs)
+            if func.namespace == "_c10d_functional" and isinstance(out, torch.Tensor):
+                self._in_flight[_storage_key(out)] = (len(self.events) - 1, self._compute)
+            elif func.namespace == "c10d":  # in-place c10d ops return a work: waited by the caller
+                self._close(len(self.events) - 1, self._compute)
+            return out
         return func(*args, **kwargs)
+
+    def _note_waits(self, func, args, kwargs) -> None:
+        """Close the collectives this op waits for: ``wait_tensor`` of their output, or
+        any op on the AsyncCollectiveTensor that wraps it (Note [Compute in flight])."""
+        if func is _WAIT:
+            self._waited(args[0])
+            return
+        if func.is_view or func is _WRAP:  # an AsyncCollectiveTensor's views do not wait
+            return
+        for x in torch.utils._pytree.tree_leaves((args, kwargs)):
+            if isinstance(x, DTensor):
+                x = x._local_tensor
+            if isinstance(x, AsyncCollectiveTensor):
+                self._waited(x.elem)
+
+    def _waited(self, t) -> None:
+        if not isinstance(t, torch.Tensor):
+            return
+        entry = self._in_flight.pop(_storage_key(t), None)
+        if entry is not None:
+            self._close(*entry)
+
+    def _close(self, index: int, compute_at_issue: int) -> None:
+        self.events[index] = dataclasses.replace(self.events[index],
+                                                 compute_in_flight=self._compute - compute_at_issue)
 
     def count(self, phase: str | None = None, kind: str | None = None,
               group: str | None = None, fsdp_tagged: bool | None = None) -> int:
@@ -145,8 +221,34 @@ class CollectiveCounter(TorchDispatchMode):
         ]
         return "\n".join(lines)
 
+    def overlap_summary(self, fsdp_only: bool = False) -> str:
+        """Per line of :meth:`summary`: how many of them had compute in flight (Note
+        [Compute in flight]), e.g. ``forward  all_gather dp [fsdp] 6 of 7``; stable
+        text for expect tests. ``fsdp_only``: only FSDP-tagged collectives (gradient
+        reductions carry no tag: they are the ``reduce_scatter`` / ``all_reduce``
+        lines of the dp groups)."""
+        total, hidden = collections.Counter(), collections.Counter()
+        for e in self.events:
+            if fsdp_only and not e.fsdp_tagged:
+                continue
+            key = (e.phase, e.kind, e.group, e.fsdp_tagged)
+            total[key] += 1
+            hidden[key] += e.overlapped
+        order = {"forward": 0, "backward": 1}
+        return "\n".join(
+            f"{phase:<8} {kind} {group}{' [fsdp]' if tagged else ''} {hidden[key]} of {n}"
+            for key, n in sorted(total.items(), key=lambda kv: (order[kv[0][0]], kv[0][1:]))
+            for phase, kind, group, tagged in [key])
+
+    def timeline(self) -> list[str]:
+        """Each collective in issue order as ``"<phase> <kind> <fqn>: <compute ops in
+        flight>"`` (``-``: not waited under the counter)."""
+        return [f"{e.phase} {e.kind} {e.fqn or e.group}: "
+                f"{'-' if e.compute_in_flight is None else e.compute_in_flight}" for e in self.events]
+
     def reset(self) -> None:
         self.events.clear()
+        self._in_flight.clear()
 
 
 def _plain_tensors(x, out: list) -> list:

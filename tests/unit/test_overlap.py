@@ -1,0 +1,78 @@
+"""Collectives overlap compute: the dispatch-order timeline of ``CollectiveCounter``
+(Note [Compute in flight] in ``fsdptag/debug.py``) on the fake process group, for
+zero2 / zero3 under no AC, selective and full AC, with default arguments.
+
+On NCCL only compute queued between a collective's issue and its wait hides it; these
+tests pin, per phase, how many FSDP collectives have compute in flight. The first
+all-gather of a forward (nothing runs before it), the first re-gather of a backward and
+the last reduce-scatter (nothing runs after it) cannot; every other one must."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from expecttest import assert_expected_inline
+from torch.distributed.device_mesh import init_device_mesh
+
+import fsdptag
+from fsdptag.debug import CollectiveCounter
+from tests.models import make_net
+
+
+def _step_timeline(zero: int, ac: str, steps: int = 2, **kw) -> CollectiveCounter:
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    model = make_net(n_layers=6)
+    fsdptag.parametrize(model, mesh, reshard_after_forward=zero == 3, **kw)
+    fsdptag.apply_ac(model, ac)
+    for _ in range(steps):  # the second step runs in the order the first one learned
+        with CollectiveCounter(mesh) as cc:
+            model(torch.randint(0, 34, (2, 6))).sum().backward()
+        model.zero_grad()
+    return cc
+
+
+def test_timeline_matrix(fake_pg):
+    text = "\n".join(f"zero{zero} {ac}:\n  " + _step_timeline(zero, ac).overlap_summary().replace("\n", "\n  ")
+                     for zero in (2, 3) for ac in ("none", "selective", "full"))
+    assert_expected_inline(text, """\
+zero2 none:
+  forward  all_gather dp [fsdp] 0 of 7
+  backward reduce_scatter dp 6 of 7
+zero2 selective:
+  forward  all_gather dp [fsdp] 0 of 7
+  backward reduce_scatter dp 6 of 7
+zero2 full:
+  forward  all_gather dp [fsdp] 0 of 7
+  backward reduce_scatter dp 6 of 7
+zero3 none:
+  forward  all_gather dp [fsdp] 0 of 7
+  backward all_gather dp [fsdp] 0 of 7
+  backward reduce_scatter dp 6 of 7
+zero3 selective:
+  forward  all_gather dp [fsdp] 0 of 7
+  backward all_gather dp [fsdp] 0 of 7
+  backward reduce_scatter dp 6 of 7
+zero3 full:
+  forward  all_gather dp [fsdp] 0 of 7
+  backward all_gather dp [fsdp] 0 of 7
+  backward reduce_scatter dp 6 of 7""")
+
+
+def test_reductions_wait_at_the_latest_and_grads_are_plain(fake_pg):
+    """Note [Reductions in flight] in ``fsdptag/_collectives.py``: each reduce-scatter
+    is waited when the next one is issued, the last at the end of backward; gradients are
+    plain DTensors when ``backward()`` returns."""
+    cc = _step_timeline(2, "none", steps=1)
+    rs = [e for e in cc.events if e.kind == "reduce_scatter"]
+    assert [e.compute_in_flight is not None for e in rs] == [True] * 7
+    assert [e.overlapped for e in rs] == [True] * 6 + [False]
+
+
+def test_gradients_plain_after_backward(fake_pg):
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    mesh = init_device_mesh("cpu", (2,))
+    model = make_net()
+    fsdptag.parametrize(model, mesh)
+    model(torch.randint(0, 34, (2, 6))).sum().backward()
+    kinds = {type(p.grad._local_tensor) for p in model.parameters()}
+    assert kinds == {torch.Tensor}, kinds
