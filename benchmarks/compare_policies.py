@@ -12,7 +12,7 @@ FSDP) and with TP (2 dp x 2 tp, sequence parallel), each AC mode asked for:
   fsdp2     FSDP2 ``fully_shard`` (per block + root) with the same AC
   untagged  the tagged runtime with tagging disabled and the policy that gives it
             the same collectives (op-name for zero2, no-fix for zero3): the tag's cost
-  prefetch  tagged with ``prefetch=True`` (only gathers outside AC regions: use --ac none)
+  no-prefetch  tagged with ``prefetch=False`` (each gather waited right after its issue)
 
 With ``--compile BACKEND`` the variants default to ``tagged,tagged+compile,fsdp2+compile``:
 a ``+compile`` variant is compiled with BACKEND, each block on its own (torchtitan
@@ -59,7 +59,7 @@ from fsdptag.testing.llama import Llama, LlamaConfig, apply_tp
 
 DEFAULT_VARIANTS = ("tagged", "op-name", "no-fix", "fsdp2", "untagged")
 COMPILE_VARIANTS = ("tagged", "tagged+compile", "fsdp2+compile")
-KNOWN_VARIANTS = DEFAULT_VARIANTS + ("prefetch", "tagged+compile", "fsdp2+compile")
+KNOWN_VARIANTS = DEFAULT_VARIANTS + ("no-prefetch", "tagged+compile", "fsdp2+compile")
 
 
 @dataclass
@@ -113,8 +113,8 @@ def _build_eager(variant, cfg, mesh, tp, reshard, ac, bucket):
         return model
     fsdptag.parametrize(model, mesh, mode="fully_shard", reshard_after_forward=reshard,
                         mp_policy=fsdptag.MixedPrecisionPolicy(torch.bfloat16, torch.float32),
-                        bucket=bucket, prefetch=variant == "prefetch")
-    if variant in ("tagged", "prefetch"):
+                        bucket=bucket, prefetch=variant != "no-prefetch")
+    if variant in ("tagged", "no-prefetch"):
         fsdptag.apply_ac(model, mode, layer_every=every)
     else:
         policy = {"op-name": "op-name", "no-fix": "no-fix",

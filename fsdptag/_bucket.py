@@ -99,6 +99,7 @@ from ._collectives import GradientReduction, gradient_reduction
 from ._keep import KeptGather, Keeper
 from ._layout import copy_out, layout, pack, unpad
 from ._param import ParamGather, makes_copy
+from ._prefetch import Prefetched, ServedInput
 from ._tag import FSDPTag, FSDPTaggedTensor, check_unchanged, mark_gathered
 
 if TYPE_CHECKING:
@@ -236,13 +237,7 @@ class Bucket:
             return self._scopeless_recompute(param, tagged)
         scope = self.scopes[-1]
         if not scope.gathered:
-            if self.prefetcher is None:
-                scope.gathered.update(self.gather(tagged=tagged))
-            else:
-                prefetched = self.prefetcher.take(self, scope.region, tagged)
-                scope.gathered.update(self.gather(tagged=tagged, prefetched=prefetched))
-                del prefetched  # the all-gather output: gone before the next one starts
-                self.prefetcher.gathered(self, scope.region, tagged)
+            scope.gathered.update(self._gather_prefetched(tagged))
             # DDP without a cast hands out the stored parameters themselves, as plain DDP
             # does; inference tensors have no version counter.
             if self.copies() and not in_inference():
@@ -262,17 +257,34 @@ class Bucket:
     def prefetcher(self):
         return self.root.prefetcher
 
+    def _gather_prefetched(self, tagged: bool) -> dict[ParamGather, torch.Tensor]:
+        """``gather``, claiming the all-gather prefetched for it and issuing the next one
+        (Note [Prefetch])."""
+        if self.prefetcher is None:
+            return self.gather(tagged=tagged)
+        tagged = tagged and not in_inference()
+        prefetched = self.prefetcher.take(self, tagged)
+        gathered = self.gather(tagged=tagged, prefetched=prefetched)
+        del prefetched  # the all-gather output: gone before the next one starts
+        self.prefetcher.gathered(self, tagged)
+        return gathered
+
+    def can_prefetch(self) -> bool:
+        """Whether its all-gather can be issued ahead (Note [Prefetch]): it all-gathers
+        from bound storage, and outside selective-checkpoint regions when untagged."""
+        return self.world > 1 and self.copies() and self._is_bound(self.stored())
+
     def _handouts(self, outs) -> dict[ParamGather, torch.Tensor]:
         return {p: p.on_tp_mesh(out) for p, out in zip(self.params, outs)}
 
-    def gather(self, *, tagged: bool, prefetched: torch.Tensor | None = None) -> dict[ParamGather, torch.Tensor]:
+    def gather(self, *, tagged: bool, prefetched: Prefetched | None = None) -> dict[ParamGather, torch.Tensor]:
         params = self.stored()
         reuse = how = None
         if self.keeper is not None:  # Note [zero2 kept until backward]
             reuse = self.keeper.find(params)
             how = None if reuse is not None else self.keeper.how_to_keep()
         if reuse is not None and prefetched is not None:
-            c10d.wait_tensor(prefetched)
+            prefetched.wait()
             prefetched = None
         return self._handouts(_GatherBucket.apply(self, tagged, prefetched, reuse, how, *params))
 
@@ -289,18 +301,25 @@ class Bucket:
         key = (graph_task_id(), self, entry)
         served = self.root.recompute_served
         if served is None or served[0] != key:
-            served = self.root.serve_recompute(
-                key, self._handouts(_GatherBucket.apply(self, tagged, None, entry, None, *params)))
+            if entry is None:  # zero3: a gather, prefetched like the hooks' re-gathers
+                served = self.root.serve_recompute(key, self._gather_prefetched(tagged))
+            else:
+                served = self.root.serve_recompute(
+                    key, self._handouts(_GatherBucket.apply(self, tagged, None, entry, None, *params)))
         return served[1][param]
 
     def regather(self) -> dict[ParamGather, torch.Tensor]:
-        """A fresh tagged gather, as the zero3 hooks re-gather (Note [zero3 by saved-tensor hooks])."""
-        return self.gather(tagged=True)
+        """A fresh tagged gather, as the zero3 hooks re-gather (Note [zero3 by saved-tensor
+        hooks]), prefetched (Note [Prefetch])."""
+        return self._gather_prefetched(True)
 
-    def _gather_input(self, params, tagged: bool) -> torch.Tensor:
+    def _gather_input(self, params, tagged: bool, served: Prefetched | None = None) -> torch.Tensor:
         """The flat per-rank buffer to all-gather: the bound storage (or the shards
-        packed), tagged, cast to ``param_dtype``."""
-        if self._is_bound(params):
+        packed), tagged, cast to ``param_dtype``; ``served``: answered by that prefetch
+        (Note [Prefetch])."""
+        if served is not None:
+            flat = ServedInput(self.flat, self.tag, served)
+        elif self._is_bound(params):
             flat = FSDPTaggedTensor(self.flat, self.tag) if tagged else self.flat
         else:
             flat = self._packed([p._local_tensor for p in params], tagged)
@@ -315,10 +334,11 @@ class Bucket:
         ``_compiled.py``)."""
         return traced_gather(self)
 
-    def issue_all_gather(self, tagged: bool) -> torch.Tensor:
+    def issue_all_gather(self, tagged: bool) -> Prefetched:
         """Start this bucket's all-gather without waiting (Note [Prefetch])."""
         with torch.no_grad():
-            return c10d.all_gather_into_tensor(self._gather_input(self.stored(), tagged), self.world, self.group_name)
+            cast = self._gather_input(self.stored(), tagged)
+            return Prefetched(tagged, cast, c10d.all_gather_into_tensor(cast, self.world, self.group_name))
 
 
 @dataclass
@@ -361,7 +381,7 @@ class _GatherBucket(torch.autograd.Function):
     """Gather a bucket (Note [Buckets]); the inputs are the stored DTensor parameters."""
 
     @staticmethod
-    def forward(ctx, bucket: Bucket, tagged: bool, prefetched: torch.Tensor | None,
+    def forward(ctx, bucket: Bucket, tagged: bool, prefetched: Prefetched | None,
                 reuse: KeptGather | None, keep: Zero2 | None, *params: DTensor):
         ctx.bucket = bucket
         ctx.specs = [p._spec for p in params]
@@ -375,8 +395,11 @@ class _GatherBucket(torch.autograd.Function):
         # No FSDP op to checkpoint under inference_mode (which would also turn the cast
         # into aten.to.dtype, outside the tag table).
         tagged = tagged and not in_inference()
-        if prefetched is not None:  # all-gather issued ahead (Note [Prefetch])
-            gathered = c10d.wait_tensor(prefetched)
+        if prefetched is not None and tagged:  # issued ahead: the same ops, served (Note [Prefetch])
+            gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(
+                bucket._gather_input(params, tagged, served=prefetched), bucket.world, bucket.group_name))
+        elif prefetched is not None:
+            gathered = c10d.wait_tensor(prefetched.output)
         elif bucket.world > 1:
             gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(
                 bucket._gather_input(params, tagged), bucket.world, bucket.group_name))

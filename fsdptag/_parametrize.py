@@ -25,7 +25,7 @@ def parametrize(
     mp_policy: MixedPrecisionPolicy | None = None,
     shard_dim: int = 0,
     bucket: BucketPolicy = "blocks",
-    prefetch: bool = False,
+    prefetch: bool = True,
 ) -> nn.Module:
     """Make ``model`` data parallel over ``mesh``, SimpleFSDP style, in place.
 
@@ -59,10 +59,12 @@ def parametrize(
     Tied parameters (one tensor registered in several modules) stay one stored
     parameter; a bucket whose root's ``forward`` covers every use gathers it once.
 
-    ``prefetch=True`` issues the next bucket's all-gather (in the previous forward's
-    order) as soon as a bucket has gathered, so it overlaps this bucket's compute;
-    it costs one more gathered bucket alive. It applies to gathers outside
-    activation-checkpointed regions only (Note [Prefetch]).
+    ``prefetch`` (default True) issues the next bucket's all-gather (in the previous
+    forward's order) as soon as a bucket has gathered, so on NCCL it overlaps this
+    bucket's compute, also across checkpointed blocks; zero3 re-gathers in backward
+    are prefetched the same way, in reverse. It costs one more gathered bucket alive,
+    as FSDP2's prefetch does (Note [Prefetch]). ``prefetch=False`` waits each gather
+    right after its issue.
 
     A call that raises leaves the model unchanged.
 

@@ -1,84 +1,200 @@
-"""Opt-in prefetch: a bucket's gather issues the next bucket's all-gather.
+"""Prefetch: a bucket's gather issues the next bucket's all-gather, in forward and in
+backward (on by default: ``parametrize(..., prefetch=False)`` turns it off).
 
 Note [Prefetch]
 ---------------
-With ``parametrize(..., prefetch=True)`` a bucket's gather also issues, without
-waiting, the all-gather of the bucket that gathered right after it in the
-previous forward (the root's forward hooks record that order); that bucket's
-gather then only waits and copies out. On gloo the wait blocks the CPU, so this
-lets gloo's thread move the next block's parameters during this block's compute.
 On NCCL a functional collective runs on the communicator's stream from its issue
 until the compute stream waits for it (``wait_tensor``), and only compute queued in
-between can hide it: without prefetch every gather is waited right after its issue,
-so nothing overlaps there either (not measured on a GPU).
-It costs one more gathered bucket alive, as in FSDP2.
+between hides it: a gather waited right after its issue hides behind nothing. So when
+a bucket gathers, fsdptag issues, without waiting, the all-gather of the bucket that
+gathers next, and that bucket's gather later only waits and copies out. One bucket is
+in flight at a time per direction; it costs one more gathered bucket alive, as FSDP2's
+prefetch does. On gloo the wait blocks the CPU either way: there the effect shows in
+the dispatch-order timeline of ``CollectiveCounter`` (Note [Compute in flight] in
+``debug.py``), not in step times.
 
-Only gathers outside activation-checkpointed regions take part. SAC replays a
-region op by op: a region whose forward only waited for an all-gather issued
-elsewhere could not issue the same ops in its recompute (it would have to
-gather), and an all-gather issued inside region i for block i+1 would belong to
-region i's replay. So under AC on every block prefetch does nothing. Nor does a
-plain checkpoint's recompute in backward prefetch: nobody would claim it before
-the optimizer changes the parameters. An issued all-gather nobody claims (the
-order changed) is waited out at the end of the root's forward.
+* Forward: the next bucket is the one that gathered after this one in the previous
+  forward (the first forward takes the buckets in module order). A prefetched
+  all-gather nobody claims (the order changed) is waited out when another is issued
+  and at the end of the root's forward: the order can change between steps.
+* Backward (zero3): a bucket re-gathered in backward (by fsdptag's hooks, or by a
+  checkpoint's recompute) issues the re-gather of the zero3 bucket before it in the
+  last forward's order, so block i-1's parameters move while block i recomputes and
+  back-propagates. Unclaimed ones are waited out at the end of backward.
+
+Checkpoint regions replay their ops. A SAC region's recompute must see the ops its
+forward saw, index by index, so an all-gather issued inside region i for bucket i+1
+must be invisible to region i's replay, and region i+1's gather must still show the
+ops of a gather. Both hold:
+
+* the prefetch is issued with every SAC mode popped (``sac_hidden``): no region
+  records it (a debug mode below the outermost region still sees it);
+* the prefetched bucket's gather runs its usual ops on a :class:`ServedInput`, which
+  answers the cast with the prefetch's cast and the all-gather with the prefetch's
+  all-gather, so the region records (and its policy decides) a cast, an all-gather and
+  a wait as always; the wait waits for the real collective. zero2's policy saves that
+  all-gather's output as always; zero3's recompute gathers for real.
+
+A non-selective checkpoint (plain, Hugging Face's) compares only saved tensors, and a
+prefetch saves none (it runs without grad). Only tagged, bound buckets (Note [Bound
+storage] in ``_bucket.py``) that all-gather are prefetched.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ._bucket import Bucket
+from ._compat import at_backward_end, sac_hidden
 from ._context import running_backward
+from ._tag import FSDPTaggedTensor
 
-__all__ = ["Prefetcher"]
+__all__ = ["Prefetcher", "ServedInput", "is_served"]
 
 c10d = torch.ops._c10d_functional
+_CAST = torch.ops.aten._to_copy.default
+_ALL_GATHER = c10d.all_gather_into_tensor.default
+
+
+class Prefetched:
+    """An all-gather issued ahead: its (tagged) input as cast and its output."""
+
+    __slots__ = ("tagged", "cast", "output")
+
+    def __init__(self, tagged: bool, cast: torch.Tensor, output: torch.Tensor) -> None:
+        self.tagged, self.cast, self.output = tagged, cast, output
+
+    def wait(self) -> None:
+        c10d.wait_tensor(self.output)
+
+
+class ServedInput(FSDPTaggedTensor):
+    """A bucket's tagged flat buffer whose cast and all-gather are answered by an
+    all-gather issued ahead (Note [Prefetch]): the ops dispatch as usual (a mode or a
+    checkpoint policy sees them), but neither casts nor communicates."""
+
+    __slots__ = ("served",)
+
+    @staticmethod
+    def __new__(cls, elem: torch.Tensor, tag, served: Prefetched):
+        out = FSDPTaggedTensor.__new__(cls, elem, tag)
+        out.served = served
+        return out
+
+    def __tensor_flatten__(self):
+        return ["_elem"], (self.tag, self.served)
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
+        return ServedInput(inner_tensors["_elem"], *ctx)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        served = args[0].served if args and type(args[0]) is ServedInput else None
+        if served is not None and func is _CAST:
+            cast = served.cast
+            return ServedInput(cast._elem if type(cast) is FSDPTaggedTensor else cast, args[0].tag, served)
+        if served is not None and func is _ALL_GATHER:
+            return served.output
+        plain = tuple(FSDPTaggedTensor(a._elem, a.tag) if type(a) is ServedInput else a for a in args)
+        return FSDPTaggedTensor.__torch_dispatch__(func, types, plain, kwargs)
+
+
+def is_served(t) -> bool:
+    """Whether ``t`` is a :class:`ServedInput` (its all-gather was counted at its issue)."""
+    return type(t) is ServedInput
 
 
 class Prefetcher:
-    """Issues the next bucket's all-gather when a bucket gathers; see Note [Prefetch].
-
-    The order is the previous forward's. Only gathers during the root's forward take
-    part, not a checkpoint's recompute in backward (whose prefetch nobody would
-    claim before the optimizer changes the parameters)."""
+    """Issues the next bucket's all-gather when a bucket gathers; see Note [Prefetch]."""
 
     def __init__(self) -> None:
         self.active = False  # inside the root's forward
-        self.order: list[tuple[Bucket, bool]] = []  # (bucket, gathered outside AC) this forward
-        self.next: dict[Bucket, Bucket] = {}  # from the last forward
-        self.pending: dict[Bucket, tuple[bool, torch.Tensor]] = {}  # bucket -> (tagged, all-gather)
+        self.order: list = []  # buckets in gather order, this forward
+        self.backward_order: list = []  # zero3 buckets in re-gather order, this backward
+        self.next: dict = {}  # bucket -> the next to gather in forward, from the last forward
+        self.previous: dict = {}  # zero3 bucket -> the next to re-gather in backward, from the last backward
+        self.default_order = lambda: []  # the first forward's guess: buckets in module order
+        self.pending: dict = {}  # bucket -> Prefetched
+        self._queued = False  # the end-of-backward callback
 
-    def _in_forward(self) -> bool:
-        return self.active and not running_backward()
+    def __getstate__(self) -> dict:
+        return dict(self.__dict__, order=[], backward_order=[], pending={}, _queued=False, default_order=None)
 
-    def take(self, bucket: Bucket, region, tagged: bool) -> torch.Tensor | None:
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.default_order = lambda: []
+
+    def forget_order(self) -> None:
+        """The buckets changed (Note [Checkpointed bucket roots] in ``_bucket.py``)."""
+        self.next, self.previous = {}, {}
+
+    def take(self, bucket, tagged: bool) -> Prefetched | None:
         entry = self.pending.pop(bucket, None)
         if entry is None:
             return None
-        if self._in_forward() and region is None and entry[0] == tagged:
-            return entry[1]
-        c10d.wait_tensor(entry[1])  # not usable here: finish it and gather afresh
+        if (self.active or running_backward()) and entry.tagged == tagged:
+            return entry
+        entry.wait()  # not usable here: finish it, the caller gathers afresh
         return None
 
-    def gathered(self, bucket: Bucket, region, tagged: bool) -> None:
-        if not self._in_forward():
+    def gathered(self, bucket, tagged: bool) -> None:
+        """``bucket`` just gathered (in backward: re-gathered): issue the one after it."""
+        backward = running_backward()
+        if backward:
+            if not bucket.tag.reshard_after_forward:
+                return  # zero2: served from what forward kept, no collective
+            self.backward_order.append(bucket)
+            self._at_backward_end()
+            following = self.previous.get(bucket)
+            if following in self.backward_order:
+                return  # re-gathered already: once per backward
+        elif self.active:
+            self.order.append(bucket)
+            following = self.next.get(bucket)
+        else:
             return
-        self.order.append((bucket, region is None))
-        following = self.next.get(bucket)
-        if region is None and following is not None and following not in self.pending:
-            self.pending[following] = (tagged, following.issue_all_gather(tagged))
+        if not tagged or following is None or following in self.pending or not following.can_prefetch():
+            return
+        self._drain()  # stale: the order changed
+        with sac_hidden(), torch.no_grad():
+            self.pending[following] = following.issue_all_gather(tagged)
 
     def pre_forward(self) -> None:
         self._drain()
+        if not self.next:
+            order = self.default_order()
+            self.next = dict(zip(order, order[1:]))
+            if not self.previous:  # the first backward's guess: forward's order reversed
+                zero3 = [b for b in reversed(order) if b.tag.reshard_after_forward]
+                self.previous = dict(zip(zero3, zero3[1:]))
         self.active, self.order = True, []
 
     def post_forward(self) -> None:  # also when forward raised
         self.active = False
-        self.next = {a: b for (a, a_free), (b, b_free) in zip(self.order, self.order[1:])
-                     if a_free and b_free and b.world > 1}
+        if self.order:
+            self.next = _successors(self.order)
+        self._drain()
+
+    def _at_backward_end(self) -> None:
+        if not self._queued:
+            self._queued = True
+            at_backward_end(self._end_backward)
+
+    def _end_backward(self) -> None:
+        self._queued = False
+        if self.backward_order:
+            self.previous = _successors(self.backward_order)
+            self.backward_order = []
         self._drain()
 
     def _drain(self) -> None:
-        for _, unclaimed in self.pending.values():
-            c10d.wait_tensor(unclaimed)
+        for entry in self.pending.values():
+            entry.wait()
         self.pending.clear()
+
+
+def _successors(order: list) -> dict:
+    """Each bucket's successor in ``order``, by its first appearance (a bucket gathered
+    twice, by a user's own region inside it, keeps its first place)."""
+    first = list(dict.fromkeys(order))
+    return dict(zip(first, first[1:]))

@@ -93,6 +93,8 @@ class RootState:
         self.buckets = buckets
         if self.prefetcher is not None and not buckets:
             self.prefetcher = None  # nothing to prefetch
+        if self.prefetcher is not None:
+            self.prefetcher.default_order = functools.partial(_module_order, weakref.ref(root), self)
         self.saved_hooks = SavedTensorHooks(params)
         self.handles += [
             root.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
@@ -133,6 +135,21 @@ class RootState:
         if self.prefetcher is not None:
             self.prefetcher.post_forward()
         self.handouts.close(check=not raised)
+
+
+def _module_order(model_ref, root: RootState) -> list[Bucket]:
+    """The model's buckets in the order of their root modules (the first forward's guess
+    of the gather order, Note [Prefetch] in ``_prefetch.py``)."""
+    model = model_ref()
+    if model is None:
+        return []
+    mine = {id(b) for b in root.buckets}
+    order = []
+    for m in model.modules():
+        state = module_state(m)
+        if state is not None:
+            order += [b for b in state.buckets if id(b) in mine]
+    return order
 
 
 @dataclass(eq=False)
@@ -250,7 +267,7 @@ def make_bucket_root(module: nn.Module) -> None:
         sub.owner = weakref.ref(module)
         new.append(sub)
     if root.prefetcher is not None:
-        root.prefetcher.next = {}  # the order names the old buckets
+        root.prefetcher.forget_order()  # it names the old buckets
     state = module_state(module)
     if state is None:
         attach(module, ModuleState(root, buckets=tuple(new)))

@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ._compat import (AsyncCollectiveTensor, StorageWeakRef, in_backward, storage_expired, storage_from_weak,
                       storage_use_count)
 from ._param import disable_tagging
+from ._prefetch import is_served
 from ._tag import first_tag, innermost
 
 __all__ = ["CollectiveCounter", "CollectiveEvent", "LiveStorageTracker", "disable_tagging"]
@@ -148,7 +149,7 @@ class CollectiveCounter(TorchDispatchMode):
         if _is_compute(func):
             self._compute += 1
         spec = _COLLECTIVES.get(func)
-        if spec is not None:
+        if spec is not None and not (args and is_served(args[0])):  # a prefetch, counted at its issue
             kind, group_idx = spec
             group = _group_name(args[group_idx] if len(args) > group_idx else kwargs.get("group_name"))
             # c10d's all-gathers and reduce-scatters take (output, input); the rest input first.
@@ -314,8 +315,9 @@ class _CollectiveSettler:
         self._one = storage_use_count(torch.empty(0))  # a storage only its tensor holds
 
     def issue(self, func, args, kwargs):
-        if args and isinstance(args[0], torch.Tensor) and innermost(args[0]).is_cuda:
-            return func(*args, **kwargs)  # NCCL: nothing to settle (LiveStorageTracker's docstring)
+        if args and isinstance(args[0], torch.Tensor) and (innermost(args[0]).is_cuda or is_served(args[0])):
+            return func(*args, **kwargs)  # NCCL: nothing to settle (LiveStorageTracker's docstring);
+            # a prefetched all-gather answered: settled at its issue
         if args and isinstance(args[0], torch.Tensor) and not func._schema.is_mutable:
             args = (_detached_copy(args[0]),) + tuple(args[1:])  # (in-place ones write it)
         out = func(*args, **kwargs)

@@ -36,26 +36,37 @@ def test_timeline_matrix(fake_pg):
                      for zero in (2, 3) for ac in ("none", "selective", "full"))
     assert_expected_inline(text, """\
 zero2 none:
-  forward  all_gather dp [fsdp] 0 of 7
+  forward  all_gather dp [fsdp] 6 of 7
   backward reduce_scatter dp 6 of 7
 zero2 selective:
-  forward  all_gather dp [fsdp] 0 of 7
+  forward  all_gather dp [fsdp] 6 of 7
   backward reduce_scatter dp 6 of 7
 zero2 full:
-  forward  all_gather dp [fsdp] 0 of 7
+  forward  all_gather dp [fsdp] 6 of 7
   backward reduce_scatter dp 6 of 7
 zero3 none:
-  forward  all_gather dp [fsdp] 0 of 7
-  backward all_gather dp [fsdp] 0 of 7
+  forward  all_gather dp [fsdp] 6 of 7
+  backward all_gather dp [fsdp] 6 of 7
   backward reduce_scatter dp 6 of 7
 zero3 selective:
-  forward  all_gather dp [fsdp] 0 of 7
-  backward all_gather dp [fsdp] 0 of 7
+  forward  all_gather dp [fsdp] 6 of 7
+  backward all_gather dp [fsdp] 6 of 7
   backward reduce_scatter dp 6 of 7
 zero3 full:
-  forward  all_gather dp [fsdp] 0 of 7
-  backward all_gather dp [fsdp] 0 of 7
+  forward  all_gather dp [fsdp] 6 of 7
+  backward all_gather dp [fsdp] 6 of 7
   backward reduce_scatter dp 6 of 7""")
+
+
+def test_without_prefetch_gathers_hide_behind_nothing(fake_pg):
+    """``prefetch=False``: each all-gather is waited right after its issue."""
+    text = "\n".join(_step_timeline(zero, "selective", prefetch=False).overlap_summary() for zero in (2, 3))
+    assert_expected_inline(text, """\
+forward  all_gather dp [fsdp] 0 of 7
+backward reduce_scatter dp 6 of 7
+forward  all_gather dp [fsdp] 0 of 7
+backward all_gather dp [fsdp] 0 of 7
+backward reduce_scatter dp 6 of 7""")
 
 
 def test_reductions_wait_at_the_latest_and_grads_are_plain(fake_pg):
