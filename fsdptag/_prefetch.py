@@ -18,9 +18,11 @@ the dispatch-order timeline of ``CollectiveCounter`` (Note [Compute in flight] i
   all-gather nobody claims (the order changed) is waited out when another is issued
   and at the end of the root's forward: the order can change between steps.
 * Backward (zero3): a bucket re-gathered in backward (by fsdptag's hooks, or by a
-  checkpoint's recompute) issues the re-gather of the zero3 bucket before it in the
-  last forward's order, so block i-1's parameters move while block i recomputes and
-  back-propagates. Unclaimed ones are waited out at the end of backward.
+  checkpoint's recompute) issues the re-gather of the bucket re-gathered after it in
+  the previous backward (before any backward: the buckets the forward left to
+  re-gather, in reverse forward order), so block i-1's parameters move while block i
+  recomputes and back-propagates. A bucket is re-gathered once per backward, and
+  unclaimed prefetches are waited out at its end.
 
 Checkpoint regions replay their ops. A SAC region's recompute must see the ops its
 forward saw, index by index, so an all-gather issued inside region i for bucket i+1
@@ -45,7 +47,7 @@ from __future__ import annotations
 import torch
 
 from ._compat import at_backward_end, sac_hidden
-from ._context import running_backward
+from ._context import GatherContext, gather_context, running_backward
 from ._tag import FSDPTaggedTensor
 
 __all__ = ["Prefetcher", "ServedInput", "is_served"]
@@ -53,6 +55,9 @@ __all__ = ["Prefetcher", "ServedInput", "is_served"]
 c10d = torch.ops._c10d_functional
 _CAST = torch.ops.aten._to_copy.default
 _ALL_GATHER = c10d.all_gather_into_tensor.default
+
+
+_RECOMPUTED = (GatherContext.CHECKPOINT, GatherContext.SAC, GatherContext.REENTRANT)
 
 
 class Prefetched:
@@ -115,10 +120,12 @@ class Prefetcher:
         self.previous: dict = {}  # zero3 bucket -> the next to re-gather in backward, from the last backward
         self.default_order = lambda: []  # the first forward's guess: buckets in module order
         self.pending: dict = {}  # bucket -> Prefetched
+        self.will_regather: dict = {}  # zero3 buckets this forward left to re-gather in backward
         self._queued = False  # the end-of-backward callback
 
     def __getstate__(self) -> dict:
-        return dict(self.__dict__, order=[], backward_order=[], pending={}, _queued=False, default_order=None)
+        return dict(self.__dict__, order=[], backward_order=[], pending={}, will_regather={}, _queued=False,
+                    default_order=None)
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -146,10 +153,12 @@ class Prefetcher:
             self.backward_order.append(bucket)
             self._at_backward_end()
             following = self.previous.get(bucket)
-            if following in self.backward_order:
-                return  # re-gathered already: once per backward
+            if following in self.backward_order or following not in self.will_regather:
+                return  # re-gathered already (once per backward), or nothing to re-gather
         elif self.active:
             self.order.append(bucket)
+            if bucket.tag.reshard_after_forward and gather_context() in _RECOMPUTED:
+                self.will_regather[bucket] = True  # its region's recompute gathers it again
             following = self.next.get(bucket)
         else:
             return
@@ -159,20 +168,24 @@ class Prefetcher:
         with sac_hidden(), torch.no_grad():
             self.pending[following] = following.issue_all_gather(tagged)
 
+    def regather_packed(self, bucket) -> None:
+        """fsdptag's zero3 hooks saved a re-gather handle of ``bucket`` (Note [zero3 by
+        saved-tensor hooks] in ``_reshard.py``): backward will re-gather it."""
+        self.will_regather[bucket] = True
+
     def pre_forward(self) -> None:
         self._drain()
         if not self.next:
             order = self.default_order()
             self.next = dict(zip(order, order[1:]))
-            if not self.previous:  # the first backward's guess: forward's order reversed
-                zero3 = [b for b in reversed(order) if b.tag.reshard_after_forward]
-                self.previous = dict(zip(zero3, zero3[1:]))
-        self.active, self.order = True, []
+        self.active, self.order, self.will_regather = True, [], {}
 
     def post_forward(self) -> None:  # also when forward raised
         self.active = False
         if self.order:
             self.next = _successors(self.order)
+            if not self.previous:  # no backward yet: guess its order, this forward's reversed
+                self.previous = _successors([b for b in reversed(self.order) if b in self.will_regather])
         self._drain()
 
     def _at_backward_end(self) -> None:

@@ -174,6 +174,8 @@ class SavedTensorHooks:
         regather = self._regathers.get(source.tag.fqn)
         if regather is None:
             regather = self._regathers[source.tag.fqn] = _Regather(source.regather)
+            if param.bucket is not None and param.bucket.prefetcher is not None:
+                param.bucket.prefetcher.regather_packed(param.bucket)  # Note [Prefetch] in _prefetch.py
         return _PackedView(regather, param, t)
 
     setattr(_pack, FSDPTAG_HOOK, True)  # Note [Whose saved-tensor hooks]

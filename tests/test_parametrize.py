@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 import fsdptag
+from fsdptag._prefetch import is_served
 from fsdptag import FSDPTaggedTensor
 from fsdptag._bucket import open_scopes
 from fsdptag._state import module_state
@@ -413,6 +414,8 @@ class _GatherTrace(TorchDispatchMode):
             tag = fsdptag.get_fsdp_tag(args[0])  # None: a gradient reduction's wait
         if tag is not None:
             kind = "AG" if func is c10d.all_gather_into_tensor.default else "wait"
+            if kind == "AG" and is_served(args[0]):
+                kind = "served"  # the prefetched all-gather answering its bucket's gather
             phase = "bwd " if torch._C._current_graph_task_id() != -1 else ""
             self.events.append(f"{phase}{kind} {tag.fqn or 'root'}")
         return func(*args, **(kwargs or {}))
@@ -810,7 +813,7 @@ def test_zero3_frees_gathered_params(two_ranks):
     block = sum(p.numel() * p.element_size() for p in models.make_net().layers[0].parameters())
     assert peak2 - peak3 >= block, (peak2, peak3, block)
     assert_expected_inline(f"kept {kept2} / {kept3} B, forward peak {peak2} / {peak3} B, "
-                           f"backward peak {bwd2} / {bwd3} B", """kept 24328 / 13064 B, forward peak 26496 / 20488 B, backward peak 17116 / 17116 B""")
+                           f"backward peak {bwd2} / {bwd3} B", """kept 24328 / 13064 B, forward peak 26496 / 20488 B, backward peak 17116 / 19456 B""")
 
 
 def test_zero3_regathers_are_dropped_after_their_last_use(two_ranks):
@@ -880,23 +883,23 @@ def test_prefetch(two_ranks):
     text = "\n".join(f"{k}: {v}" for k, v in result(two_ranks, "prefetch").items())
     assert_expected_inline(text, """\
 zero2 none: grads equal: True
-  AG <root>, wait <root>, AG layers.0, enter 0, wait layers.0, AG layers.1, enter 1, wait layers.1
-  skip: AG <root>, wait <root>, AG layers.0, enter 0, wait layers.0, AG layers.1, wait layers.1
+  AG <root>, wait <root>, AG layers.0, enter 0, served layers.0, wait layers.0, AG layers.1, enter 1, served layers.1, wait layers.1
+  skip: AG <root>, wait <root>, AG layers.0, enter 0, served layers.0, wait layers.0, AG layers.1, wait layers.1
 zero2 selective: grads equal: True
-  AG <root>, wait <root>, enter 0, AG layers.0, wait layers.0, enter 1, AG layers.1, wait layers.1, bwd wait layers.1, bwd wait layers.0
-  skip: AG <root>, wait <root>, enter 0, AG layers.0, wait layers.0, bwd wait layers.0
+  AG <root>, wait <root>, AG layers.0, enter 0, served layers.0, wait layers.0, AG layers.1, enter 1, served layers.1, wait layers.1, bwd wait layers.1, bwd wait layers.0
+  skip: AG <root>, wait <root>, AG layers.0, enter 0, served layers.0, wait layers.0, AG layers.1, wait layers.1, bwd wait layers.0
 zero2 plain checkpoint: grads equal: True
-  AG <root>, wait <root>, AG layers.0, enter 0, wait layers.0, AG layers.1, enter 1, wait layers.1, enter 1, enter 0
-  skip: AG <root>, wait <root>, AG layers.0, enter 0, wait layers.0, AG layers.1, wait layers.1, enter 0
+  AG <root>, wait <root>, AG layers.0, enter 0, served layers.0, wait layers.0, AG layers.1, enter 1, served layers.1, wait layers.1, enter 1, enter 0
+  skip: AG <root>, wait <root>, AG layers.0, enter 0, served layers.0, wait layers.0, AG layers.1, wait layers.1, enter 0
 zero3 none: grads equal: True
-  AG <root>, wait <root>, AG layers.0, enter 0, wait layers.0, AG layers.1, enter 1, wait layers.1, bwd AG <root>, bwd wait <root>, bwd AG layers.1, bwd wait layers.1, bwd AG layers.0, bwd wait layers.0
-  skip: AG <root>, wait <root>, AG layers.0, enter 0, wait layers.0, AG layers.1, wait layers.1, bwd AG <root>, bwd wait <root>, bwd AG layers.0, bwd wait layers.0
+  AG <root>, wait <root>, AG layers.0, enter 0, served layers.0, wait layers.0, AG layers.1, enter 1, served layers.1, wait layers.1, bwd AG <root>, bwd wait <root>, bwd AG layers.1, bwd served layers.1, bwd wait layers.1, bwd AG layers.0, bwd served layers.0, bwd wait layers.0
+  skip: AG <root>, wait <root>, AG layers.0, enter 0, served layers.0, wait layers.0, AG layers.1, wait layers.1, bwd AG <root>, bwd wait <root>, bwd AG layers.0, bwd wait layers.0
 zero3 selective: grads equal: True
-  AG <root>, wait <root>, enter 0, AG layers.0, wait layers.0, enter 1, AG layers.1, wait layers.1, bwd AG <root>, bwd wait <root>, bwd AG layers.1, bwd wait layers.1, bwd AG layers.0, bwd wait layers.0
-  skip: AG <root>, wait <root>, enter 0, AG layers.0, wait layers.0, bwd AG <root>, bwd wait <root>, bwd AG layers.0, bwd wait layers.0
+  AG <root>, wait <root>, AG layers.0, enter 0, served layers.0, wait layers.0, AG layers.1, enter 1, served layers.1, wait layers.1, bwd AG <root>, bwd wait <root>, bwd AG layers.1, bwd served layers.1, bwd wait layers.1, bwd AG layers.0, bwd served layers.0, bwd wait layers.0
+  skip: AG <root>, wait <root>, AG layers.0, enter 0, served layers.0, wait layers.0, AG layers.1, wait layers.1, bwd AG <root>, bwd wait <root>, bwd AG layers.0, bwd wait layers.0
 zero3 plain checkpoint: grads equal: True
-  AG <root>, wait <root>, AG layers.0, enter 0, wait layers.0, AG layers.1, enter 1, wait layers.1, bwd AG <root>, bwd wait <root>, enter 1, bwd AG layers.1, bwd wait layers.1, enter 0, bwd AG layers.0, bwd wait layers.0
-  skip: AG <root>, wait <root>, AG layers.0, enter 0, wait layers.0, AG layers.1, wait layers.1, bwd AG <root>, bwd wait <root>, enter 0, bwd AG layers.0, bwd wait layers.0""")
+  AG <root>, wait <root>, AG layers.0, enter 0, served layers.0, wait layers.0, AG layers.1, enter 1, served layers.1, wait layers.1, bwd AG <root>, bwd wait <root>, bwd AG layers.1, enter 1, bwd served layers.1, bwd wait layers.1, bwd AG layers.0, enter 0, bwd served layers.0, bwd wait layers.0
+  skip: AG <root>, wait <root>, AG layers.0, enter 0, served layers.0, wait layers.0, AG layers.1, wait layers.1, bwd AG <root>, bwd wait <root>, enter 0, bwd AG layers.0, bwd wait layers.0""")
 
 
 def test_inference_mode(two_ranks):
