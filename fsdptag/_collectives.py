@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
-from ._compat import AsyncCollectiveTensor, at_backward_end, lazy_wait, replace_local
+from ._compat import AsyncCollectiveTensor, OncePerBackward, lazy_wait, replace_local
 
 __all__ = ["GradientReduction", "Reducer", "gradient_reduction", "reduce_gradient"]
 
@@ -131,10 +131,10 @@ class Reducer:
         self.limit = limit
         self.in_flight: collections.deque = collections.deque()  # issued outputs, oldest first
         self.lazy_params: list[DTensor] = []  # whose gradients wait lazily, this backward
-        self._queued = False  # the end-of-backward callback
+        self._at_end = OncePerBackward()  # the end-of-backward flush
 
     def __getstate__(self) -> dict:
-        return dict(self.__dict__, in_flight=collections.deque(), lazy_params=[], _queued=False)
+        return dict(self.__dict__, in_flight=collections.deque(), lazy_params=[], _at_end=OncePerBackward())
 
     def reduce(self, flat: torch.Tensor, r: GradientReduction, params, lazy: bool) -> torch.Tensor:
         """The reduced gradient of ``flat``; with ``lazy`` still in flight, waited at its
@@ -149,14 +149,11 @@ class Reducer:
             return pending.flat
         self.in_flight.append(pending)
         self.lazy_params += params
-        if not self._queued:
-            self._queued = True
-            at_backward_end(self.flush)
+        self._at_end.queue(self.flush)
         return lazy_wait(pending)
 
     def flush(self) -> None:
         """Wait for every reduction in flight; gradients become plain tensors."""
-        self._queued = False
         while self.in_flight:
             c10d.wait_tensor(self.in_flight.popleft())
         params, self.lazy_params = self.lazy_params, []

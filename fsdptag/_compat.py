@@ -89,6 +89,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_
 from torch.utils.checkpoint import SelectiveCheckpointContext, _CachedTorchDispatchMode, _CachingTorchDispatchMode
 
 __all__ = [
+    "OncePerBackward",
     "AsyncCollectiveTensor",
     "SAC_POLICY_SEES_OUTPUT",
     "fake_store",
@@ -319,8 +320,30 @@ def graph_task_id() -> int:
 
 
 def at_backward_end(fn) -> None:
-    """Run ``fn`` when the backward running now finishes (FSDP's final callback)."""
+    """Run ``fn`` when the backward running now finishes (FSDP's final callback). A
+    backward that raises drops its callbacks: see :class:`OncePerBackward`."""
     torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+class OncePerBackward:
+    """Queues a callback at the end of the running backward at most once per backward.
+    Keyed by the backward's graph task, not by a flag the callback clears: a backward
+    that raises drops its callbacks, and such a flag would stay set and skip the
+    callback in every later backward."""
+
+    __slots__ = ("queued_for",)
+
+    def __init__(self) -> None:
+        self.queued_for = -1  # graph task ids are per process: a pickled one starts afresh
+
+    def __reduce__(self):
+        return OncePerBackward, ()
+
+    def queue(self, fn) -> None:
+        task = graph_task_id()
+        if task != self.queued_for:
+            self.queued_for = task
+            at_backward_end(fn)
 
 
 def top_saved_tensor_hooks() -> tuple | None:

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import torch
 
-from ._compat import at_backward_end, sac_hidden
+from ._compat import OncePerBackward, sac_hidden
 from ._context import GatherContext, gather_context, running_backward
 from ._tag import FSDPTaggedTensor
 
@@ -121,11 +121,11 @@ class Prefetcher:
         self.default_order = lambda: []  # the first forward's guess: buckets in module order
         self.pending: dict = {}  # bucket -> Prefetched
         self.will_regather: dict = {}  # zero3 buckets this forward left to re-gather in backward
-        self._queued = False  # the end-of-backward callback
+        self._at_end = OncePerBackward()  # the end-of-backward callback
 
     def __getstate__(self) -> dict:
-        return dict(self.__dict__, order=[], backward_order=[], pending={}, will_regather={}, _queued=False,
-                    default_order=None)
+        return dict(self.__dict__, order=[], backward_order=[], pending={}, will_regather={},
+                    _at_end=OncePerBackward(), default_order=None)
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -189,12 +189,9 @@ class Prefetcher:
         self._drain()
 
     def _at_backward_end(self) -> None:
-        if not self._queued:
-            self._queued = True
-            at_backward_end(self._end_backward)
+        self._at_end.queue(self._end_backward)
 
     def _end_backward(self) -> None:
-        self._queued = False
         if self.backward_order:
             self.previous = _successors(self.backward_order)
             self.backward_order = []

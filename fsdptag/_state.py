@@ -43,7 +43,7 @@ from ._bucket import Bucket, scoped
 from ._compiled import watch_compiles
 from ._class_swap import register_kind, swap_class
 from ._collectives import Reducer
-from ._compat import apply_to_tensors, at_backward_end, is_compiling
+from ._compat import OncePerBackward, apply_to_tensors, is_compiling
 from ._context import grad_mode_trains, running_backward
 from ._param import Handouts, ParamGather, flags
 from ._prefetch import Prefetcher
@@ -70,6 +70,7 @@ class RootState:
         # ((graph task, bucket, kept gather), gathered parameters) of the latest scope-less
         # recompute (Bucket._scopeless_recompute): recomputes run one region at a time.
         self.recompute_served: tuple | None = None
+        self._drop_at_end = OncePerBackward()
         self.traced = False  # dynamo is tracing the root's forward (Note [Compiled gathers])
 
     def training_forward(self) -> bool:
@@ -80,8 +81,7 @@ class RootState:
     def serve_recompute(self, key: tuple, gathered: dict) -> tuple:
         """Hold ``gathered`` for the accesses of one scope-less recompute: until the next
         one replaces it, or this backward ends."""
-        if self.recompute_served is None:
-            at_backward_end(self._drop_served)
+        self._drop_at_end.queue(self._drop_served)
         self.recompute_served = (key, gathered)
         return self.recompute_served
 

@@ -87,3 +87,29 @@ def test_gradients_plain_after_backward(fake_pg):
     model(torch.randint(0, 34, (2, 6))).sum().backward()
     kinds = {type(p.grad._local_tensor) for p in model.parameters()}
     assert kinds == {torch.Tensor}, kinds
+
+
+def test_a_backward_that_raises_leaves_the_next_one_whole(fake_pg):
+    """A backward that raises drops its end-of-backward callbacks: every later backward
+    still waits for its reductions and hands plain gradients."""
+    mesh = init_device_mesh("cpu", (2,))
+    model = make_net()
+    fsdptag.parametrize(model, mesh, reshard_after_forward=True)
+    tokens = torch.randint(0, 34, (2, 6))
+    fail = [True]
+
+    def raise_once(module, args, out):
+        def hook(grad):
+            if fail.pop() if fail else False:
+                raise RuntimeError("boom")
+        out.register_hook(hook)  # the first block's: the later blocks have reduced
+
+    model.layers[0].register_forward_hook(raise_once)
+    with pytest.raises(RuntimeError, match="boom"):
+        model(tokens).sum().backward()
+    model.zero_grad()
+    for _ in range(2):
+        model(tokens).sum().backward()
+        kinds = {type(p.grad._local_tensor) for p in model.parameters()}
+        assert kinds == {torch.Tensor}, kinds
+        model.zero_grad()
