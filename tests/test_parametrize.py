@@ -984,8 +984,9 @@ def test_tied_weights(two_ranks):
     for name, v in r.items():
         assert v["shared"] and v["params"] == 15, (name, v)
         # The table's two gradients (embedding, head) add up in another order than in
-        # the reference: seen 1.6e-7 relative, not bitwise.
-        assert v["loss"] == 0.0 and v["diff"] < 1e-6, (name, v)
+        # the reference: seen 1.6e-7 relative in the parameters, and 1.3e-7 in the loss
+        # on an AVX2 CPU (0 on others), not bitwise.
+        assert v["loss"] < 1e-6 and v["diff"] < 1e-6, (name, v)
     # Per parameter, each read gathers (the table twice: embedding and head); a bucket
     # covering both reads (here the root's) gathers it once. zero3 re-gathers the
     # table once for the head's backward.

@@ -223,6 +223,22 @@ def _property(mesh):
         ac=st.sampled_from(["none", "full", "selective", "layer"]),
     )
     def case(n_layers, mode, reshard, ac):
+        # ranks agree on each example's outcome: a failure on one rank fails it on every
+        # rank, so hypothesis shrinks in step on all of them instead of the ranks' collectives
+        # parting ways (gloo then aborts the launch, and the failing example is lost)
+        error = None
+        try:
+            check(n_layers, mode, reshard, ac)
+        except Exception as e:
+            error = e
+        failed = torch.tensor([error is not None], dtype=torch.int64)
+        dist.all_reduce(failed)
+        if error is not None:
+            raise error
+        if failed.item():
+            raise AssertionError(f"example failed on another rank: {(n_layers, mode, reshard, ac)}")
+
+    def check(n_layers, mode, reshard, ac):
         count[0] += 1
         def build():
             torch.manual_seed(0)
