@@ -1,6 +1,6 @@
 """Exposed communication over an emulated slow link: fsdptag and FSDP2 side by side.
 
-    python benchmarks/overlap.py [--bandwidth 50,150,500] [--ac none,full] [--steps 6]
+    python benchmarks/overlap.py [--bandwidth 50,150,500] [--ac none,full] [--steps 6] [--param-dtype bf16]
 
 Spawns 2 gloo ranks (``--world``) on CPU. Each collective completes no earlier than its
 bytes over ``--bandwidth`` (MB/s) after its issue (``fsdptag.testing.slow_link``), so
@@ -11,7 +11,9 @@ and each variant, one model per variant, steps alternating between them:
   fsdptag-no-prefetch ``prefetch=False`` (gathers waited at once; reductions still in flight)
   fsdp2               ``fully_shard`` per block + root, defaults
   fsdp2-prefetch      plus explicit forward / backward prefetch of the neighbouring block
-                      and asynchronous unshards (FSDP2's ``_set_unshard_async_op``)
+                      (without FSDP2's ``_set_unshard_async_op``: on CPU its unshards then
+                      read the all-gather output before gloo has filled it, as CUDA events
+                      are stubs there; measured: NaN and 7e32 losses in fp32)
 
 Per row: the step time over an infinitely fast link (the emulation's own per-op cost
 included), over the slow link, the difference (exposed communication), the link's own count of the time waits stalled past the real
@@ -44,7 +46,10 @@ from fsdptag.testing.slow_link import SlowLink
 VARIANTS = ("fsdptag", "fsdptag-no-prefetch", "fsdp2", "fsdp2-prefetch")
 
 
-def _build(variant: str, cfg: LlamaConfig, mesh, reshard: bool, ac: str):
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _build(variant: str, cfg: LlamaConfig, mesh, reshard: bool, ac: str, param_dtype: torch.dtype):
     torch.manual_seed(0)
     model = Llama(cfg)
     model.init_weights()
@@ -52,7 +57,7 @@ def _build(variant: str, cfg: LlamaConfig, mesh, reshard: bool, ac: str):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         fsdptag.apply_ac(model, ac)  # the same checkpointing: its tagged policy is plain AC here
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
         for block in model.layers:
             fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
         fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
@@ -63,10 +68,9 @@ def _build(variant: str, cfg: LlamaConfig, mesh, reshard: bool, ac: str):
                     block.set_modules_to_forward_prefetch([blocks[i + 1]])
                 if i > 0:
                     block.set_modules_to_backward_prefetch([blocks[i - 1]])
-            model._set_unshard_async_op(True)
         return model
     fsdptag.parametrize(model, mesh, reshard_after_forward=reshard,
-                        mp_policy=fsdptag.MixedPrecisionPolicy(torch.bfloat16, torch.float32),
+                        mp_policy=fsdptag.MixedPrecisionPolicy(param_dtype, torch.float32),
                         prefetch=variant != "fsdptag-no-prefetch")
     fsdptag.apply_ac(model, ac)
     return model
@@ -86,14 +90,14 @@ def _peak(model, optim, tokens) -> int:
     return mem.peak_bytes
 
 
-def _worker(cfg, bandwidths, acs, steps, batch, seq_len, variants):
+def _worker(cfg, bandwidths, acs, steps, batch, seq_len, variants, param_dtype):
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     g = torch.Generator().manual_seed(dist.get_rank())
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), generator=g)
     rows = []
     for reshard in (False, True):
         for ac in acs:
-            models = {v: _build(v, cfg, mesh, reshard, ac) for v in variants}
+            models = {v: _build(v, cfg, mesh, reshard, ac, param_dtype) for v in variants}
             optims = {v: torch.optim.SGD(models[v].parameters(), lr=1e-3) for v in variants}
             peaks = {v: _peak(models[v], optims[v], tokens) for v in variants}  # also the warm-up
             for v in variants:
@@ -163,6 +167,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--param-dtype", default="bf16", choices=sorted(DTYPES),
+                   help="gathered dtype (fp32 on a CPU without native bf16 matmuls: AVX2 runs them ~100x slower)")
     args = p.parse_args()
     variants = tuple(args.variants.split(","))
     unknown = sorted(set(variants) - set(VARIANTS))
@@ -172,9 +178,10 @@ def main() -> None:
                       ffn_hidden=args.dim * 8 // 3 // 8 * 8, max_seq_len=64)
     bandwidths = tuple(float(b) for b in args.bandwidth.split(","))
     t0 = time.perf_counter()
-    rows = spawn(args.world, _worker, cfg, bandwidths, tuple(args.ac.split(",")), args.steps, 4, 64, variants)
+    rows = spawn(args.world, _worker, cfg, bandwidths, tuple(args.ac.split(",")), args.steps, 4, 64, variants,
+                 DTYPES[args.param_dtype])
     print(f"overlap: dim={args.dim} layers={args.layers} batch=4 seq=64 per rank, {args.world} gloo ranks, "
-          f"bf16 params / fp32 reduce, median of {args.steps} steps; {time.perf_counter() - t0:.0f} s\n")
+          f"{args.param_dtype} params / fp32 reduce, median of {args.steps} steps; {time.perf_counter() - t0:.0f} s\n")
     print(_table(rows))
     print()
     print(_numerics(rows))
