@@ -95,6 +95,8 @@ MUTANTS = [
     Mutant("prefetch-not-served", "a prefetched bucket's gather in a SAC region skips the served ops",
            "fsdptag/_bucket.py", "        if prefetched is not None and tagged:  # issued ahead",
            "        if False:  # issued ahead", (UNIT,)),
+    Mutant("backward-end-once-ever", "the end-of-backward callback is queued in the first backward only (a stale flag)",
+           "fsdptag/_compat.py", "        if task != self.queued_for:", "        if self.queued_for == -1:", (UNIT,)),
     Mutant("reduction-waited-at-once", "a bucket's gradient reduction is waited right after its issue",
            "fsdptag/_collectives.py", "        if not lazy or r.post_divide is not None:",
            "        if True:", (UNIT,)),
