@@ -317,8 +317,9 @@ class Bucket:
         """The flat per-rank buffer to all-gather: the bound storage (or the shards
         packed), tagged, cast to ``param_dtype``; ``served``: answered by that prefetch
         (Note [Prefetch])."""
-        if served is not None:
-            flat = ServedInput(self.flat, self.tag, served)
+        if served is not None:  # its data is never read: a stand-in once unbound mid-forward
+            stand_in = self.flat if self.flat is not None else params[0]._local_tensor.new_empty(self.numel)
+            flat = ServedInput(stand_in, self.tag, served)
         elif self._is_bound(params):
             flat = FSDPTaggedTensor(self.flat, self.tag) if tagged else self.flat
         else:
