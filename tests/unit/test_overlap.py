@@ -118,11 +118,12 @@ def test_a_backward_that_raises_leaves_the_next_one_whole(fake_pg):
 def test_unbound_between_prefetch_and_claim(fake_pg):
     """A compile that starts mid-forward (an eager block calling a compiled function)
     unbinds every bucket (Note [Bound storage]): a bucket prefetched while bound is still
-    served, with the same ops and values as without the compile."""
+    served, with the same forward collectives as without the compile (backward, unbound,
+    no longer prefetches; the fake process group moves no data: values are not compared)."""
     from fsdptag._compiled import _unbind_all
     mesh = init_device_mesh("cpu", (2,))
     tokens = torch.randint(0, 34, (2, 6))
-    losses = []
+    runs = []
     for unbind in (False, True):
         model = make_net(n_layers=3)
         fsdptag.parametrize(model, mesh, reshard_after_forward=True)
@@ -131,9 +132,7 @@ def test_unbound_between_prefetch_and_claim(fake_pg):
         if unbind:  # what dynamo's compile-start callback does
             model.layers[0].register_forward_hook(lambda *a: _unbind_all(None))
         with CollectiveCounter(mesh) as cc:
-            loss = model(tokens).sum()
-            loss.backward()
-        losses.append((loss.item(), cc.count("forward", "all_gather"),
-                       [p.grad.to_local().clone() for p in model.parameters()]))
-    (a, na, ga), (b, nb, gb) = losses
-    assert a == b and na == nb and all(torch.equal(x, y) for x, y in zip(ga, gb))
+            model(tokens).sum().backward()
+        runs.append([(e.kind, e.nbytes) for e in cc.events if e.phase == "forward"])
+        assert {type(p.grad._local_tensor) for p in model.parameters()} == {torch.Tensor}
+    assert runs[0] == runs[1], runs
