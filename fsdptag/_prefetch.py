@@ -151,7 +151,7 @@ class Prefetcher:
             if not bucket.tag.reshard_after_forward:
                 return  # zero2: served from what forward kept, no collective
             self.backward_order.append(bucket)
-            self._at_backward_end()
+            self._at_end.queue(self._end_backward)
             following = self.previous.get(bucket)
             if following in self.backward_order or following not in self.will_regather:
                 return  # re-gathered already (once per backward), or nothing to re-gather
@@ -187,9 +187,6 @@ class Prefetcher:
             if not self.previous:  # no backward yet: guess its order, this forward's reversed
                 self.previous = _successors([b for b in reversed(self.order) if b in self.will_regather])
         self._drain()
-
-    def _at_backward_end(self) -> None:
-        self._at_end.queue(self._end_backward)
 
     def _end_backward(self) -> None:
         if self.backward_order:
