@@ -1,6 +1,6 @@
 """fsdptag: SimpleFSDP-style eager data parallelism whose FSDP traffic carries a provenance tag."""
 
-from ._api import ACMode, DataParallelMode, MixedPrecisionPolicy, ReshardPolicy
+from ._api import ACMode, DataParallelMode, MixedPrecisionPolicy, OverlapPolicy, ReshardPolicy
 from ._ac import apply_ac
 from ._checkpoint import DEFAULT_SAVE_OPS, checkpoint_context_fn, checkpoint_policy
 from ._param import disable_active_parametrization
@@ -17,6 +17,7 @@ __all__ = [
     "FSDPTag",
     "FSDPTaggedTensor",
     "MixedPrecisionPolicy",
+    "OverlapPolicy",
     "ReshardPolicy",
     "disable_active_parametrization",
     "get_fsdp_tag",

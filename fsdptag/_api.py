@@ -13,7 +13,7 @@ from typing import Callable, Mapping, Union
 import torch
 import torch.nn as nn
 
-__all__ = ["ACMode", "BucketPolicy", "DataParallelMode", "MixedPrecisionPolicy", "ReshardPolicy"]
+__all__ = ["ACMode", "BucketPolicy", "DataParallelMode", "MixedPrecisionPolicy", "OverlapPolicy", "ReshardPolicy"]
 
 
 class DataParallelMode(enum.Enum):
@@ -55,6 +55,54 @@ class MixedPrecisionPolicy:
                     f"MixedPrecisionPolicy.{name}={dtype!r} is not a floating-point torch.dtype; "
                     "use e.g. torch.bfloat16, torch.float16 or torch.float32 (or None for no cast)"
                 )
+
+
+@dataclass(frozen=True)
+class OverlapPolicy:
+    """How many collectives fsdptag leaves in flight so that compute hides them
+    (Note [Prefetch] in ``_prefetch.py``, Note [Reductions in flight] in
+    ``_collectives.py``).
+
+    ``all_gathers``: buckets whose all-gather is issued ahead of their use, per
+    direction (forward; zero3 backward re-gathers). Each costs one more gathered
+    bucket alive; 0 waits every gather right after its issue.
+    ``reductions``: gradient reductions (reduce-scatters, all-reduces) left in flight
+    while the rest of backward runs. Each keeps one bucket's gradient input and output
+    alive; 0 waits each at once.
+
+    ``parametrize(prefetch=True)`` is ``OverlapPolicy()``, ``prefetch=False`` is
+    ``OverlapPolicy(all_gathers=0)`` and ``prefetch=k`` is ``OverlapPolicy(all_gathers=k)``.
+
+    Example::
+
+        >>> fsdptag.parametrize(model, mesh, prefetch=fsdptag.OverlapPolicy(all_gathers=2))
+    """
+
+    all_gathers: int = 1
+    reductions: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("all_gathers", "reductions"):
+            n = getattr(self, name)
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise ValueError(
+                    f"OverlapPolicy.{name}={n!r} must be an int >= 0 (collectives left in flight; "
+                    "0 waits each at once, 1 is the default)"
+                )
+
+    @staticmethod
+    def of(prefetch: bool | int | OverlapPolicy) -> OverlapPolicy:
+        """The policy ``parametrize(prefetch=...)`` means."""
+        if isinstance(prefetch, OverlapPolicy):
+            return prefetch
+        if isinstance(prefetch, bool):
+            return OverlapPolicy(all_gathers=int(prefetch))
+        if isinstance(prefetch, int) and prefetch >= 0:
+            return OverlapPolicy(all_gathers=prefetch)
+        raise TypeError(
+            f"prefetch={prefetch!r} must be True (issue the next bucket's all-gather early), False, "
+            "an int >= 0 (buckets gathered ahead) or a fsdptag.OverlapPolicy"
+        )
 
 
 class ACMode(enum.Enum):

@@ -270,9 +270,11 @@ class Bucket:
         return gathered
 
     def can_prefetch(self) -> bool:
-        """Whether its all-gather can be issued ahead (Note [Prefetch]): it all-gathers
-        from bound storage, and outside selective-checkpoint regions when untagged."""
-        return self.world > 1 and self.copies() and self._is_bound(self.stored())
+        """Whether its all-gather can be issued ahead (Note [Prefetch]): whether it
+        all-gathers. Bound or not (an unbound bucket packs its shards, Note [Bound
+        storage]): which buckets prefetch decides the order of collectives, so it must be
+        the same on every rank, and a compile on some ranks only unbinds theirs."""
+        return self.world > 1 and self.copies()
 
     def _handouts(self, outs) -> dict[ParamGather, torch.Tensor]:
         return {p: p.on_tp_mesh(out) for p, out in zip(self.params, outs)}

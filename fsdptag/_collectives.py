@@ -31,8 +31,9 @@ their first use (AsyncCollectiveTensor views, as DTensor hands out its results):
 accumulating into ``.grad`` that is still ``None`` takes the gradient as it is, so
 the wait moves on to
 
-* the next bucket's reduction (at most ``limit``, default 1, in flight: their inputs
-  and outputs stay alive until waited, as FSDP2 holds one reduce-scatter), or
+* the next bucket's reduction (at most ``limit`` in flight, ``OverlapPolicy.reductions``,
+  default 1: their inputs and outputs stay alive until waited, as FSDP2 holds one
+  reduce-scatter; 0 waits each at once), or
 * the end of the backward (a callback on the running backward), which waits for
   every reduction still in flight and unwraps each stored parameter's gradient to a
   plain local tensor, so gradients are final and plain when ``backward()`` returns.
@@ -140,7 +141,7 @@ class Reducer:
         """The reduced gradient of ``flat``; with ``lazy`` still in flight, waited at its
         first use, the next reduction or the end of this backward (``params``: the stored
         parameters it is the gradient of)."""
-        if not lazy or r.post_divide is not None:
+        if not lazy or r.post_divide is not None or self.limit == 0:
             return reduce_gradient(flat, r)
         while len(self.in_flight) >= self.limit:
             c10d.wait_tensor(self.in_flight.popleft())

@@ -9,7 +9,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ._compat import fix_compiled_rng_states
-from ._api import BucketPolicy, DataParallelMode, MixedPrecisionPolicy, ReshardPolicy
+from ._api import BucketPolicy, DataParallelMode, MixedPrecisionPolicy, OverlapPolicy, ReshardPolicy
 from ._plan import plan_parametrization
 from ._state import attach, module_state
 
@@ -25,7 +25,7 @@ def parametrize(
     mp_policy: MixedPrecisionPolicy | None = None,
     shard_dim: int = 0,
     bucket: BucketPolicy = "blocks",
-    prefetch: bool = True,
+    prefetch: bool | int | OverlapPolicy = True,
 ) -> nn.Module:
     """Make ``model`` data parallel over ``mesh``, SimpleFSDP style, in place.
 
@@ -64,7 +64,9 @@ def parametrize(
     bucket's compute, also across checkpointed blocks; zero3 re-gathers in backward
     are prefetched the same way, in reverse. It costs one more gathered bucket alive,
     as FSDP2's prefetch does (Note [Prefetch]). ``prefetch=False`` waits each gather
-    right after its issue.
+    right after its issue; ``prefetch=k`` keeps k buckets' all-gathers in flight, and
+    an :class:`~fsdptag.OverlapPolicy` also sets how many gradient reductions stay in
+    flight during backward (default 1, waited by the next or at backward's end).
 
     A call that raises leaves the model unchanged.
 

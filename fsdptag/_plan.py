@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
 
-from ._api import BucketPolicy, DataParallelMode, MixedPrecisionPolicy, ReshardPolicy
+from ._api import BucketPolicy, DataParallelMode, MixedPrecisionPolicy, OverlapPolicy, ReshardPolicy
 from ._blocks import find_blocks, is_checkpointed
 from ._bucket import Bucket
 from ._class_swap import user_class
@@ -42,6 +42,7 @@ class _Setting:
     shard_dim: int
     reshard_of: Callable[[str, nn.Module], bool]
     bucket_roots: dict[str, nn.Module]  # by FQN
+    overlap: OverlapPolicy
 
 
 @dataclass
@@ -74,7 +75,7 @@ def plan_parametrization(model: nn.Module, mesh, mode, reshard_after_forward, mp
     touching ``model``."""
     setting, params = _validate(model, mesh, mode, reshard_after_forward, mp_policy, shard_dim,
                                 bucket, prefetch)
-    plan = ParametrizePlan(RootState(setting.mp, prefetch), {}, {})
+    plan = ParametrizePlan(RootState(setting.mp, setting.overlap), {}, {})
     plan.state_of(model).is_root = True
     plan_parameters(plan, setting, params)
     if setting.shard_dim == 0 or setting.mode is DataParallelMode.REPLICATE:
@@ -83,8 +84,7 @@ def plan_parametrization(model: nn.Module, mesh, mode, reshard_after_forward, mp
 
 
 def _validate(model, mesh, mode, reshard_after_forward, mp_policy, shard_dim, bucket, prefetch):
-    if not isinstance(prefetch, bool):
-        raise TypeError(f"prefetch={prefetch!r} must be True (issue the next bucket's all-gather early) or False")
+    overlap = OverlapPolicy.of(prefetch)
     if not isinstance(model, nn.Module):
         raise TypeError(f"parametrize expects an nn.Module, got {type(model).__name__}")
     if any(module_state(m) is not None for m in model.modules()):
@@ -120,7 +120,7 @@ def _validate(model, mesh, mode, reshard_after_forward, mp_policy, shard_dim, bu
         DataParallelMode.FULLY_SHARD: (Shard(shard_dim),),
         DataParallelMode.HYBRID_SHARD: (Replicate(), Shard(shard_dim)),
     }[mode]
-    return _Setting(mode, dp_mesh, dp_placements, mp, shard_dim, reshard_of, roots), params
+    return _Setting(mode, dp_mesh, dp_placements, mp, shard_dim, reshard_of, roots, overlap), params
 
 
 def plan_parameters(plan: ParametrizePlan, setting: _Setting, params: list) -> None:

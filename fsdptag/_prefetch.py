@@ -8,7 +8,8 @@ until the compute stream waits for it (``wait_tensor``), and only compute queued
 between hides it: a gather waited right after its issue hides behind nothing. So when
 a bucket gathers, fsdptag issues, without waiting, the all-gather of the bucket that
 gathers next, and that bucket's gather later only waits and copies out. One bucket is
-in flight at a time per direction; it costs one more gathered bucket alive, as FSDP2's
+in flight at a time per direction (``OverlapPolicy.all_gathers``: k issues the k
+buckets that gather next); each costs one more gathered bucket alive, as FSDP2's
 prefetch does. On gloo the wait blocks the CPU either way: there the effect shows in
 the dispatch-order timeline of ``CollectiveCounter`` (Note [Compute in flight] in
 ``debug.py``), not in step times.
@@ -38,8 +39,10 @@ ops of a gather. Both hold:
   all-gather's output as always; zero3's recompute gathers for real.
 
 A non-selective checkpoint (plain, Hugging Face's) compares only saved tensors, and a
-prefetch saves none (it runs without grad). Only tagged, bound buckets (Note [Bound
-storage] in ``_bucket.py``) that all-gather are prefetched.
+prefetch saves none (it runs without grad). Only tagged buckets that all-gather are
+prefetched, bound to their flat storage or not (Note [Bound storage] in
+``_bucket.py``): the choice fixes the order of collectives, so it depends on nothing
+that may differ between ranks (a compile on some ranks only unbinds theirs).
 """
 
 from __future__ import annotations
@@ -112,7 +115,8 @@ def is_served(t) -> bool:
 class Prefetcher:
     """Issues the next bucket's all-gather when a bucket gathers; see Note [Prefetch]."""
 
-    def __init__(self) -> None:
+    def __init__(self, depth: int = 1) -> None:
+        self.depth = depth  # buckets in flight ahead, per direction (OverlapPolicy.all_gathers)
         self.active = False  # inside the root's forward
         self.order: list = []  # buckets in gather order, this forward
         self.backward_order: list = []  # zero3 buckets in re-gather order, this backward
@@ -145,28 +149,42 @@ class Prefetcher:
         return None
 
     def gathered(self, bucket, tagged: bool) -> None:
-        """``bucket`` just gathered (in backward: re-gathered): issue the one after it."""
-        backward = running_backward()
-        if backward:
+        """``bucket`` just gathered (in backward: re-gathered): issue the ``depth`` after it."""
+        if running_backward():
             if not bucket.tag.reshard_after_forward:
                 return  # zero2: served from what forward kept, no collective
             self.backward_order.append(bucket)
             self._at_end.queue(self._end_backward)
-            following = self.previous.get(bucket)
-            if following in self.backward_order or following not in self.will_regather:
-                return  # re-gathered already (once per backward), or nothing to re-gather
+            # each re-gathered once per backward, and only if forward left it to re-gather
+            ahead = self._ahead(bucket, self.previous, lambda b: b not in self.backward_order
+                                and b in self.will_regather)
         elif self.active:
             self.order.append(bucket)
             if bucket.tag.reshard_after_forward and gather_context() in _RECOMPUTED:
                 self.will_regather[bucket] = True  # its region's recompute gathers it again
-            following = self.next.get(bucket)
+            ahead = self._ahead(bucket, self.next, lambda b: True)
         else:
             return
-        if not tagged or following is None or following in self.pending or not following.can_prefetch():
+        if not tagged or not ahead:
             return
-        self._drain()  # stale: the order changed
+        for stale in [b for b in self.pending if b not in ahead]:  # the order changed
+            self.pending.pop(stale).wait()
         with sac_hidden(), torch.no_grad():
-            self.pending[following] = following.issue_all_gather(tagged)
+            for following in ahead:
+                if following not in self.pending:
+                    self.pending[following] = following.issue_all_gather(tagged)
+
+    def _ahead(self, bucket, successor: dict, wanted) -> list:
+        """The buckets among the ``depth`` that follow ``bucket`` in ``successor`` to
+        prefetch now."""
+        ahead = []
+        for _ in range(self.depth):
+            bucket = successor.get(bucket)
+            if bucket is None:
+                break
+            if wanted(bucket) and bucket.can_prefetch():
+                ahead.append(bucket)
+        return ahead
 
     def regather_packed(self, bucket) -> None:
         """fsdptag's zero3 hooks saved a re-gather handle of ``bucket`` (Note [zero3 by

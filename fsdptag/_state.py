@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-from ._api import MixedPrecisionPolicy
+from ._api import MixedPrecisionPolicy, OverlapPolicy
 from ._bucket import Bucket, scoped
 from ._compiled import watch_compiles
 from ._class_swap import register_kind, swap_class
@@ -57,10 +57,10 @@ _STATE = "_fsdptag"  # a parametrized module's ModuleState, in its __dict__
 class RootState:
     """What fsdptag keeps for one parametrized model; see Note [Root forward]."""
 
-    def __init__(self, mp: MixedPrecisionPolicy, prefetch: bool) -> None:
+    def __init__(self, mp: MixedPrecisionPolicy, overlap: OverlapPolicy) -> None:
         self.handouts = Handouts()
-        self.prefetcher = Prefetcher() if prefetch else None
-        self.reducer = Reducer()  # Note [Reductions in flight] in _collectives.py
+        self.prefetcher = Prefetcher(overlap.all_gathers) if overlap.all_gathers else None
+        self.reducer = Reducer(overlap.reductions)  # Note [Reductions in flight] in _collectives.py
         self.saved_hooks: SavedTensorHooks | None = None
         self.cast_dtype = mp.param_dtype if mp.cast_forward_inputs else None
         self.handles: list[RemovableHandle] = []  # every hook fsdptag registered on the model

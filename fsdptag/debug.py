@@ -62,6 +62,8 @@ class CollectiveEvent:
     # compute ops dispatched between its issue and its wait (Note [Compute in flight]);
     # None: not waited under the counter
     compute_in_flight: int | None = None
+    # collectives of its phase and kind in flight when it was issued, itself included
+    in_flight_at_issue: int = 1
 
     @property
     def fsdp_tagged(self) -> bool:
@@ -158,12 +160,16 @@ class CollectiveCounter(TorchDispatchMode):
             nbytes = _tensor_bytes(data)
             if kind == "all_gather":
                 nbytes = _tensor_bytes(args[0]) if func.namespace == "c10d" else nbytes * args[1]
+            phase = "backward" if in_backward() else "forward"
+            alongside = sum(1 for i, _ in self._in_flight.values()
+                            if self.events[i].phase == phase and self.events[i].kind == kind)
             self.events.append(CollectiveEvent(
-                "backward" if in_backward() else "forward",
+                phase,
                 kind,
                 self.labels.get(group, group),
                 tag.fqn if tag is not None else None,
                 nbytes,
+                in_flight_at_issue=alongside + 1,
             ))
             out = func(*args, **kwargs)
             if func.namespace == "_c10d_functional" and isinstance(out, torch.Tensor):
@@ -207,6 +213,13 @@ class CollectiveCounter(TorchDispatchMode):
             and (group is None or e.group == group)
             and (fsdp_tagged is None or e.fsdp_tagged == fsdp_tagged)
         )
+
+    def max_in_flight(self, phase: str, kind: str) -> int:
+        """The most collectives of ``phase`` and ``kind`` in flight at once (issued,
+        not yet waited), 0 if none ran: with ``fsdptag.OverlapPolicy`` k >= 1 for all-gathers
+        or reductions, k for that kind in each phase."""
+        return max((e.in_flight_at_issue for e in self.events if e.phase == phase and e.kind == kind),
+                   default=0)
 
     def summary(self) -> str:
         """One line per (phase, kind, group, tagged): stable text for expect tests."""

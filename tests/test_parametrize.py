@@ -431,7 +431,7 @@ def _prefetch(mesh, r):
     for zero in (2, 3):
         for ac in ("none", "selective", "plain checkpoint"):
             grads, traces = {}, {}
-            for prefetch in (False, True):
+            for prefetch in (False, True, 2):
                 torch.manual_seed(0)
                 model = _SkippableNet()
                 fsdptag.parametrize(model, mesh, mode="fully_shard", reshard_after_forward=zero == 3,
@@ -449,8 +449,8 @@ def _prefetch(mesh, r):
                                              for p in model.parameters()]
                     optim.step()
                     optim.zero_grad()
-            equal = all(a is b is None or torch.equal(a, b) for step in range(4)
-                        for a, b in zip(grads[False, step], grads[True, step]))
+            equal = all(a is b is None or torch.equal(a, b) for depth in (True, 2) for step in range(4)
+                        for a, b in zip(grads[False, step], grads[depth, step]))
             out[f"zero{zero} {ac}"] = (f"grads equal: {equal}\n  " + ", ".join(traces[True, 1])
                                        + "\n  skip: " + ", ".join(traces[True, 2]))
     return out
@@ -634,7 +634,7 @@ def _bad_input(mesh, mesh2d):
             reshard_after_forward="yes")
     attempt("reshard names missing module", models.make_net, mesh=mesh, mode="fully_shard",
             reshard_after_forward={"layers.7": False})
-    attempt("prefetch of wrong type", models.make_net, mesh=mesh, mode="fully_shard", prefetch=1)
+    attempt("prefetch of wrong type", models.make_net, mesh=mesh, mode="fully_shard", prefetch="1")
     return out
 
 
@@ -1005,7 +1005,7 @@ parametrize twice: ValueError: Net is already parametrized by fsdptag; call fsdp
 0-dim parameter: ValueError: parameter 'scale' has shape (), which has no dim 0 to shard; reshape it to at least 1 dims or use mode='replicate'
 reshard of wrong type: TypeError: reshard_after_forward='yes' must be a bool, a callable (module_fqn, module) -> bool, or a dict of module-FQN prefixes to bools
 reshard names missing module: ValueError: reshard_after_forward names module 'layers.7', which is not in the model; use module FQNs from model.named_modules() ("" sets the default)
-prefetch of wrong type: TypeError: prefetch=1 must be True (issue the next bucket's all-gather early) or False""")
+prefetch of wrong type: TypeError: prefetch='1' must be True (issue the next bucket's all-gather early), False, an int >= 0 (buckets gathered ahead) or a fsdptag.OverlapPolicy""")
 
 
 def test_default_mode(two_ranks):

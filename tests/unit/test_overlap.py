@@ -118,8 +118,9 @@ def test_a_backward_that_raises_leaves_the_next_one_whole(fake_pg):
 def test_unbound_between_prefetch_and_claim(fake_pg):
     """A compile that starts mid-forward (an eager block calling a compiled function)
     unbinds every bucket (Note [Bound storage]): a bucket prefetched while bound is still
-    served, with the same forward collectives as without the compile (backward, unbound,
-    no longer prefetches; the fake process group moves no data: values are not compared)."""
+    served, with the same collectives, forward and backward, as without the compile
+    (an unbound bucket still prefetches: which buckets prefetch must not differ between
+    ranks; the fake process group moves no data: values are not compared)."""
     from fsdptag._compiled import _unbind_all
     mesh = init_device_mesh("cpu", (2,))
     tokens = torch.randint(0, 34, (2, 6))
@@ -133,6 +134,48 @@ def test_unbound_between_prefetch_and_claim(fake_pg):
             model.layers[0].register_forward_hook(lambda *a: _unbind_all(None))
         with CollectiveCounter(mesh) as cc:
             model(tokens).sum().backward()
-        runs.append([(e.kind, e.nbytes) for e in cc.events if e.phase == "forward"])
+        runs.append([(e.phase, e.kind, e.nbytes, e.overlapped) for e in cc.events])
         assert {type(p.grad._local_tensor) for p in model.parameters()} == {torch.Tensor}
     assert runs[0] == runs[1], runs
+
+
+def test_overlap_policy_bounds_collectives_in_flight(fake_pg):
+    """Note [Prefetch] / Note [Reductions in flight]: ``OverlapPolicy`` sets how many
+    all-gathers (per direction) and gradient reductions are in flight at once; each
+    bound also sets what compute can hide."""
+    def peaks(**kw):
+        cc = _step_timeline(3, "selective", **kw)
+        return (f"{kw}: forward ag {cc.max_in_flight('forward', 'all_gather')}, "
+                f"backward ag {cc.max_in_flight('backward', 'all_gather')}, "
+                f"rs {cc.max_in_flight('backward', 'reduce_scatter')}; "
+                + ", ".join(cc.overlap_summary().split("\n")).replace("dp [fsdp] ", "").replace("dp ", ""))
+    text = "\n".join(peaks(**kw) for kw in (
+        {}, {"prefetch": 2}, {"prefetch": fsdptag.OverlapPolicy(all_gathers=3, reductions=2)},
+        {"prefetch": fsdptag.OverlapPolicy(reductions=0)}))
+    assert_expected_inline(text, """\
+{}: forward ag 1, backward ag 1, rs 1; forward  all_gather 6 of 7, backward all_gather 6 of 7, backward reduce_scatter 6 of 7
+{'prefetch': 2}: forward ag 2, backward ag 2, rs 1; forward  all_gather 6 of 7, backward all_gather 6 of 7, backward reduce_scatter 6 of 7
+{'prefetch': OverlapPolicy(all_gathers=3, reductions=2)}: forward ag 3, backward ag 3, rs 2; forward  all_gather 6 of 7, backward all_gather 6 of 7, backward reduce_scatter 6 of 7
+{'prefetch': OverlapPolicy(all_gathers=1, reductions=0)}: forward ag 1, backward ag 1, rs 1; forward  all_gather 6 of 7, backward all_gather 6 of 7, backward reduce_scatter 0 of 7""")
+
+
+@pytest.mark.parametrize("bad, error", [
+    (dict(prefetch="x"), "prefetch='x' must be True"),
+    (dict(prefetch=-1), "prefetch=-1 must be True"),
+    (dict(prefetch=1.0), "prefetch=1.0 must be True"),
+])
+def test_bad_prefetch_is_refused_and_changes_nothing(fake_pg, bad, error):
+    mesh = init_device_mesh("cpu", (2,))
+    model = make_net(n_layers=2)
+    before = {n: type(p) for n, p in model.named_parameters()}
+    with pytest.raises(TypeError, match=error):
+        fsdptag.parametrize(model, mesh, **bad)
+    assert {n: type(p) for n, p in model.named_parameters()} == before
+    fsdptag.parametrize(model, mesh, prefetch=0)  # and the model still parametrizes
+
+
+@pytest.mark.parametrize("field", ["all_gathers", "reductions"])
+@pytest.mark.parametrize("value", [-1, True, 1.5])
+def test_overlap_policy_validates(field, value):
+    with pytest.raises(ValueError, match=f"OverlapPolicy.{field}={value!r} must be an int >= 0"):
+        fsdptag.OverlapPolicy(**{field: value})
