@@ -5,6 +5,7 @@ from ._ac import apply_ac
 from ._checkpoint import DEFAULT_SAVE_OPS, checkpoint_context_fn, checkpoint_policy
 from ._param import disable_active_parametrization
 from ._parametrize import is_parametrized, parametrize
+from ._sync import no_sync, set_requires_gradient_sync
 from ._tag import FSDPTag, FSDPTaggedTensor, get_fsdp_tag, is_fsdp_tagged
 
 __all__ = [
@@ -23,5 +24,7 @@ __all__ = [
     "get_fsdp_tag",
     "is_fsdp_tagged",
     "is_parametrized",
+    "no_sync",
     "parametrize",
+    "set_requires_gradient_sync",
 ]

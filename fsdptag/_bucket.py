@@ -143,6 +143,9 @@ class Bucket:
         self.keeper = Keeper(root.training_forward) if not reshard and self.world > 1 else None
         self.root = root  # its prefetcher (Note [Prefetch]) and scope-less recomputes
         self.compiled = False  # torch.compile seen: stays unbound (Note [Bound storage])
+        # Note [Accumulation without sync] in _sync.py
+        self.requires_gradient_sync = True
+        self.unsynced_grad: torch.Tensor | None = None  # (world, numel), in the reduce dtype
         register_live(self)
 
     def __getstate__(self) -> dict:
@@ -429,6 +432,12 @@ class _GatherBucket(torch.autograd.Function):
         ]
         packed = grads[0].new_empty(bucket.world, bucket.numel, dtype=bucket.reduce_dtype or grads[0].dtype)
         torch._chunk_cat(grads, dim=0, num_chunks=bucket.world, out=packed)
+        if bucket.unsynced_grad is not None:  # Note [Accumulation without sync] in _sync.py
+            packed = bucket.unsynced_grad.add_(packed)
+            bucket.unsynced_grad = None
+        if not bucket.requires_gradient_sync:
+            bucket.unsynced_grad = packed
+            return (None,) * (5 + len(grads))
         # in flight until first read (Note [Reductions in flight] in _collectives.py) unless
         # the cast to the parameters' dtype reads it now
         lazy = all(spec.tensor_meta.dtype == packed.dtype for spec in ctx.specs)

@@ -162,6 +162,47 @@ def _bf16_vs_fsdp2(mesh):
     }
 
 
+def _no_sync(mesh, r):
+    """Note [Accumulation without sync]: 3 microbatches, fp32; gradients of the synced
+    step vs FSDP2 with ``set_requires_gradient_sync(False)`` (bitwise) and vs syncing
+    every microbatch (reduce-then-sum: equal up to rounding)."""
+    from torch.distributed.fsdp import fully_shard
+
+    out = {}
+    for zero in (2, 3):
+        for ac in ("none", "full"):
+            grads = {}
+            for variant in ("no_sync", "sync", "fsdp2"):
+                model = models.make_net()
+                if variant == "fsdp2":
+                    for block in model.layers:
+                        fully_shard(block, mesh=mesh, reshard_after_forward=zero == 3)
+                    fully_shard(model, mesh=mesh, reshard_after_forward=zero == 3)
+                    if ac == "full":
+                        for block in model.layers:
+                            block.forward = functools.partial(
+                                torch.utils.checkpoint.checkpoint, block.forward, use_reentrant=False)
+                else:
+                    fsdptag.parametrize(model, mesh, mode="fully_shard", reshard_after_forward=zero == 3)
+                    fsdptag.apply_ac(model, ac)
+                for step in range(3):
+                    sync = variant == "sync" or step == 2
+                    if variant == "fsdp2":
+                        model.set_requires_gradient_sync(sync)
+                    else:
+                        fsdptag.set_requires_gradient_sync(model, sync)
+                    tokens, targets = models.batch(step, 2)
+                    models.loss_fn(model(tokens[r]), targets[r]).backward()
+                grads[variant] = [p.grad.to_local() for p in model.parameters()]
+            fsdp2 = all(torch.equal(a, b) for a, b in zip(grads["no_sync"], grads["fsdp2"]))
+            rel = max(((a - b).abs().max() / b.abs().max()).item()
+                      for a, b in zip(grads["no_sync"], grads["sync"]))
+            each = ("bitwise" if all(torch.equal(a, b) for a, b in zip(grads["no_sync"], grads["sync"]))
+                    else "rel < 1e-6" if rel < 1e-6 else f"rel {rel}")
+            out[f"zero{zero} {ac}"] = f"bitwise FSDP2: {fsdp2}, vs syncing each: {each}"
+    return out
+
+
 def _reduce_bytes(mesh):
     """Bytes the backward's gradient reductions move, per path and mixed precision."""
     out = {}
@@ -721,6 +762,7 @@ def worker_2ranks():
     cases["inference"] = functools.partial(_inference, mesh, r)
     cases["tagged dispatches"] = functools.partial(_tagged_dispatches, mesh, r)
     cases["prefetch"] = functools.partial(_prefetch, mesh, r)
+    cases["no_sync"] = functools.partial(_no_sync, mesh, r)
     cases["per-module tags"] = functools.partial(_per_module_tags, mesh)
     cases["meta init"] = functools.partial(_meta_init, mesh)
     cases["bucket storage"] = functools.partial(_bucket_storage, mesh)
@@ -877,6 +919,15 @@ zero2 none: all_gather_into_tensor 3, wait_tensor 3, _to_copy 3, split_with_size
 zero2 selective: all_gather_into_tensor 3, wait_tensor 5, _to_copy 5, detach 2, split_with_sizes_copy 5, view 5
 zero3 none: all_gather_into_tensor 6, wait_tensor 6, _to_copy 6, split_with_sizes_copy 6, view 6
 zero3 selective: all_gather_into_tensor 6, wait_tensor 6, _to_copy 6, split_with_sizes_copy 6, view 6""")
+
+
+def test_no_sync(two_ranks):
+    text = "\n".join(f"{k}: {v}" for k, v in result(two_ranks, "no_sync").items())
+    assert_expected_inline(text, """\
+zero2 none: bitwise FSDP2: True, vs syncing each: rel < 1e-6
+zero2 full: bitwise FSDP2: True, vs syncing each: rel < 1e-6
+zero3 none: bitwise FSDP2: True, vs syncing each: rel < 1e-6
+zero3 full: bitwise FSDP2: True, vs syncing each: rel < 1e-6""")
 
 
 def test_prefetch(two_ranks):

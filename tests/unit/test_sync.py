@@ -1,0 +1,114 @@
+"""Gradient accumulation without sync (Note [Accumulation without sync] in
+``fsdptag/_sync.py``): counts and bytes on the fake process group; numerics on two
+gloo ranks in ``tests/test_parametrize.py`` (``no_sync`` case)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from expecttest import assert_expected_inline
+from torch.distributed.device_mesh import init_device_mesh
+
+import fsdptag
+from fsdptag.debug import CollectiveCounter
+from tests.models import make_net
+
+
+def _per_step(zero: int, ac: str, microbatches: int, mesh, how: str = "set") -> str:
+    model = make_net(n_layers=3)
+    fsdptag.parametrize(model, mesh, reshard_after_forward=zero == 3)
+    fsdptag.apply_ac(model, ac)
+    tokens = torch.randint(0, 34, (2, 6))
+    with CollectiveCounter(mesh) as cc:
+        if how == "set":
+            fsdptag.set_requires_gradient_sync(model, False)
+            for _ in range(microbatches - 1):
+                model(tokens).sum().backward()
+            fsdptag.set_requires_gradient_sync(model, True)
+        else:
+            with fsdptag.no_sync(model):
+                for _ in range(microbatches - 1):
+                    model(tokens).sum().backward()
+        model(tokens).sum().backward()
+    rs = [e for e in cc.events if e.kind in ("reduce_scatter", "all_reduce")]
+    grads = {type(p.grad._local_tensor).__name__ for p in model.parameters()}
+    return f"{len(rs)} reductions, {sum(e.nbytes for e in rs)} B, grads {grads}"
+
+
+def test_reductions_per_step_do_not_depend_on_microbatches(fake_pg):
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    lines = [f"zero{zero} {ac} x{n}: {_per_step(zero, ac, n, mesh)}"
+             for zero in (2, 3) for ac in ("none", "selective", "full") for n in (1, 4)]
+    lines.append(f"no_sync x3: {_per_step(2, 'selective', 3, mesh, how='ctx')}")
+    assert_expected_inline("\n".join(lines), """\
+zero2 none x1: 4 reductions, 18520 B, grads {'Tensor'}
+zero2 none x4: 4 reductions, 18520 B, grads {'Tensor'}
+zero2 selective x1: 4 reductions, 18520 B, grads {'Tensor'}
+zero2 selective x4: 4 reductions, 18520 B, grads {'Tensor'}
+zero2 full x1: 4 reductions, 18520 B, grads {'Tensor'}
+zero2 full x4: 4 reductions, 18520 B, grads {'Tensor'}
+zero3 none x1: 4 reductions, 18520 B, grads {'Tensor'}
+zero3 none x4: 4 reductions, 18520 B, grads {'Tensor'}
+zero3 selective x1: 4 reductions, 18520 B, grads {'Tensor'}
+zero3 selective x4: 4 reductions, 18520 B, grads {'Tensor'}
+zero3 full x1: 4 reductions, 18520 B, grads {'Tensor'}
+zero3 full x4: 4 reductions, 18520 B, grads {'Tensor'}
+no_sync x3: 4 reductions, 18520 B, grads {'Tensor'}""")
+
+
+@pytest.mark.parametrize("fake_pg", [4], indirect=True)
+def test_hsdp_reduces_once(fake_pg):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = make_net(n_layers=2)
+    fsdptag.parametrize(model, mesh, mode="hybrid_shard")
+    tokens = torch.randint(0, 34, (2, 6))
+    with CollectiveCounter(mesh) as cc:
+        with fsdptag.no_sync(model):
+            model(tokens).sum().backward()
+            model(tokens).sum().backward()
+        model(tokens).sum().backward()
+    assert_expected_inline(cc.summary(), """\
+forward  all_gather shard [fsdp] x9
+backward all_gather shard [fsdp] x9
+backward all_reduce replicate x3
+backward reduce_scatter shard x3""")
+
+
+def test_per_block_and_unsynced_memory(fake_pg):
+    """The flag is per bucket root (with ``recurse``); each bucket that does not sync
+    holds one unsharded gradient in the reduce dtype until the syncing backward."""
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    model = make_net(n_layers=3)
+    fsdptag.parametrize(model, mesh)
+    tokens = torch.randint(0, 34, (2, 6))
+    fsdptag.set_requires_gradient_sync(model.layers[0], False)
+    with CollectiveCounter(mesh) as cc:
+        model(tokens).sum().backward()
+    from fsdptag._state import module_state
+    held = module_state(model.layers[0]).buckets[0].unsynced_grad
+    shard = sum(p._local_tensor.numel() for p in model.layers[0].parameters())
+    assert held is not None and held.shape[0] == 2 and held.numel() >= 2 * shard
+    assert all(p.grad is None for p in model.layers[0].parameters())
+    assert all(p.grad is not None for p in model.layers[1].parameters())
+    assert cc.count("backward", "reduce_scatter") == 3  # two blocks and the root's bucket
+    fsdptag.set_requires_gradient_sync(model, True)
+    model(tokens).sum().backward()
+    assert module_state(model.layers[0]).buckets[0].unsynced_grad is None
+    assert all(p.grad is not None for p in model.layers[0].parameters())
+
+
+def test_bad_input(fake_pg):
+    mesh = init_device_mesh("cpu", (2,))
+    with pytest.raises(ValueError, match="not parametrized: call fsdptag.parametrize"):
+        fsdptag.set_requires_gradient_sync(make_net(n_layers=1), False)
+    model = make_net(n_layers=1)
+    fsdptag.parametrize(model, mesh)
+    with pytest.raises(TypeError, match="must be True or False"):
+        fsdptag.set_requires_gradient_sync(model, 0)
+    alone = make_net(n_layers=1)
+    fsdptag.parametrize(alone, mesh, bucket="param")
+    with pytest.raises(NotImplementedError, match="bucket='blocks'"):
+        fsdptag.set_requires_gradient_sync(alone, False)
+    with pytest.raises(NotImplementedError, match="bucket='blocks'"):
+        with fsdptag.no_sync(alone):
+            pass
