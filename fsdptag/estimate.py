@@ -66,7 +66,8 @@ from ._api import MixedPrecisionPolicy, ReshardPolicy
 from ._blocks import find_blocks
 from ._ac import apply_ac
 from ._compat import fake_store, gqa_sdpa_flop_formulas, in_backward
-from ._parametrize import parametrize
+from ._parametrize import is_parametrized, parametrize
+from ._sync import set_requires_gradient_sync
 from ._plan import _reshard_resolver
 from .debug import CollectiveCounter, LiveStorageTracker
 from .testing.baselines import apply_baseline_ac
@@ -93,11 +94,13 @@ class MemoryEstimate:
     mp: str
     seq_len: int
     batch: int
+    microbatches: int  # forward+backward per optimizer step, all but the last without gradient sync
     peak_bytes: int
     param_bytes: int  # this rank's shards of the stored parameters
     gathered_param_bytes: int  # FSDP-gathered parameters kept for backward
     grad_bytes: int
     optimizer_bytes: int
+    unsynced_grad_bytes: int  # microbatches > 1: gradients accumulated without sync, at the syncing backward
     activation_bytes: int  # everything forward keeps for backward (gathered params included)
     kept_collective_bytes: int  # of which: outputs of TP (non-FSDP) collectives
     kept_cast_bytes: int  # of which: activation casts (_to_copy)
@@ -144,6 +147,7 @@ class StepConfig:
     mp: str = "bf16"
     batch: int = 1
     policy: str = "tagged"
+    microbatches: int = 1
 
 
 def builtin_model(name: str, seq_len: int | None = None) -> ModelSpec:
@@ -501,10 +505,14 @@ class OptimizerReuse:
 
 
 def measure_step(model, tokens: torch.Tensor, mesh: DeviceMesh | None = None,
-                 reuse: OptimizerReuse | None = None) -> dict:
+                 reuse: OptimizerReuse | None = None, microbatches: int = 1) -> dict:
     """One training step under a LiveStorageTracker; returns the byte counts, the
     collective bytes (groups named by ``mesh``'s dims, default: the parameters'
     meshes) and the FLOPs. ``reuse``: Note [Optimizer reuse] (estimates only).
+    ``microbatches``: forward+backward passes per optimizer step, every one but the
+    last without gradient sync (``fsdptag.set_requires_gradient_sync``, FSDP2's
+    ``set_requires_gradient_sync``); ``unsynced_grad_bytes`` is what they hold until
+    the syncing backward (Note [Accumulation without sync]).
 
     Persistent state (parameters, a warm AdamW state) exists before the step, as
     in steady-state training, and counts towards the peak.
@@ -538,13 +546,23 @@ def measure_step(model, tokens: torch.Tensor, mesh: DeviceMesh | None = None,
     gc.freeze()
     try:
         with counter, flops, tracker:
-            logits = _logits(model(tokens[:, :-1]))
-            loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
-            del logits
-            at_forward_end = tracker.snapshot()
-            loss.backward()
-            del loss
-            after_backward = tracker.snapshot()
+            before = _total(tracker.snapshot())
+            unsynced = 0
+            for i in range(microbatches):
+                last = i == microbatches - 1
+                if microbatches > 1:
+                    _set_gradient_sync(model, last)
+                logits = _logits(model(tokens[:, :-1]))
+                loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+                del logits
+                at_forward_end = tracker.snapshot()
+                loss.backward()
+                del loss
+                after_backward = tracker.snapshot()
+                if i == 0:  # what forward keeps for backward: no accumulator is alive yet
+                    kept = LiveStorageTracker.kept(at_forward_end, after_backward)
+                if not last:
+                    unsynced = _total(after_backward) - before
             grad_bytes = sum(_local_bytes(p.grad) for p in params if p.grad is not None)
             if reuse is None:
                 optim.step()
@@ -554,12 +572,12 @@ def measure_step(model, tokens: torch.Tensor, mesh: DeviceMesh | None = None,
     finally:
         gc.unfreeze()
         gc.enable()
-    kept = LiveStorageTracker.kept(at_forward_end, after_backward)
     return {
         "peak_bytes": tracker.peak_bytes,
         "param_bytes": sum(_local_bytes(p) for p in params),
         "gathered_param_bytes": kept.get("fsdp", 0),
         "grad_bytes": grad_bytes,
+        "unsynced_grad_bytes": unsynced,
         "optimizer_bytes": sum(_local_bytes(t) for t in state),
         "activation_bytes": sum(kept.values()),
         "kept_collective_bytes": kept.get("collective", 0),
@@ -569,11 +587,22 @@ def measure_step(model, tokens: torch.Tensor, mesh: DeviceMesh | None = None,
     }
 
 
+def _total(snapshot: dict) -> int:
+    return sum(nbytes for nbytes, _, _ in snapshot.values())
+
+
+def _set_gradient_sync(model: nn.Module, sync: bool) -> None:
+    if is_parametrized(model):
+        set_requires_gradient_sync(model, sync)
+    else:  # FSDP2's FSDPModule
+        model.set_requires_gradient_sync(sync)
+
+
 def _optimizer_step(optim, params, tracker: LiveStorageTracker, after_backward: dict, reuse: OptimizerReuse,
                     key: tuple, known) -> None:
     """The optimizer step's effect on the peak: run and recorded, or recorded before
     (Note [Optimizer reuse]). Nothing is freed between the snapshot and the step."""
-    start = sum(nbytes for nbytes, _, _ in after_backward.values())
+    start = _total(after_backward)
     if known is not None:
         tracker.peak_bytes = max(tracker.peak_bytes, start + known[1])
         return
@@ -586,7 +615,7 @@ def _optimizer_step(optim, params, tracker: LiveStorageTracker, after_backward: 
 
 def estimate(model: str | ModelSpec | Callable[[], nn.Module], world_size: int, *, tp: int = 1,
              hsdp_replicas: int = 1, reshard_after_forward: ReshardPolicy, ac: str, mp: str = "bf16",
-             seq_len: int | None = None, batch: int = 1, policies=POLICIES,
+             seq_len: int | None = None, batch: int = 1, microbatches: int = 1, policies=POLICIES,
              tp_plan: Callable[[nn.Module, DeviceMesh], None] | None = None) -> list[MemoryEstimate]:
     """Estimate rank 0's memory and cost for each policy on fake tensors (no real allocation).
 
@@ -594,7 +623,9 @@ def estimate(model: str | ModelSpec | Callable[[], nn.Module], world_size: int, 
     the model, or a :class:`ModelSpec`. ``reshard_after_forward``: True (zero3), False
     (zero2) or a dict of module-FQN prefixes to bools (as ``fsdptag.parametrize``).
     ``ac``: one of :data:`AC_MODES`; ``mp``: ``"bf16"`` (bf16 parameters, fp32
-    reduction) or ``"fp32"``; ``batch``: sequences per data-parallel rank;
+    reduction) or ``"fp32"``; ``batch``: sequences per data-parallel rank and microbatch;
+    ``microbatches``: forward+backward passes per optimizer step, all but the last
+    without gradient sync (each runs: the estimate's time grows with it);
     ``tp_plan(model, tp_mesh)``: for ``tp > 1`` when the model has no plan of its own.
 
     Example::
@@ -602,7 +633,8 @@ def estimate(model: str | ModelSpec | Callable[[], nn.Module], world_size: int, 
         >>> [r.peak_bytes for r in estimate("llama3-8b", 64, tp=8, reshard_after_forward=False, ac="full")]
         >>> estimate(lambda: MyLM(), world_size=8, reshard_after_forward=True, ac="selective", seq_len=2048)
     """
-    configs = [StepConfig(tp, hsdp_replicas, reshard_after_forward, ac, mp, batch, p) for p in policies]
+    configs = [StepConfig(tp, hsdp_replicas, reshard_after_forward, ac, mp, batch, p, microbatches)
+               for p in policies]
     return list(estimate_each(model, world_size, configs, seq_len=seq_len, tp_plan=tp_plan))
 
 
@@ -629,6 +661,8 @@ def _check_config(c: StepConfig, world_size: int) -> None:
         raise ValueError(f"world_size={world_size} is not divisible by tp={c.tp} x hsdp_replicas={c.hsdp_replicas}")
     if c.batch < 1:
         raise ValueError(f"batch={c.batch} must be >= 1 (sequences per data-parallel rank)")
+    if c.microbatches < 1:
+        raise ValueError(f"microbatches={c.microbatches} must be >= 1 (forward+backward per optimizer step)")
 
 
 def _run(spec: ModelSpec, world_size: int, configs: list[StepConfig]) -> Iterator[MemoryEstimate]:
@@ -653,12 +687,12 @@ def _estimate_one(spec: ModelSpec, mesh: DeviceMesh, world_size: int, c: StepCon
     batch, seq_len = c.batch, spec.seq_len
     with fake_mode, _EagerAliasingWait():
         tokens = torch.randint(0, spec.vocab_size, (batch, seq_len + 1))
-        numbers = measure_step(m, tokens, mesh, reuse)
+        numbers = measure_step(m, tokens, mesh, reuse, c.microbatches)
     reshard = c.reshard_after_forward
     return MemoryEstimate(
         policy=c.policy, model=spec.name, world_size=world_size, tp=c.tp, hsdp_replicas=c.hsdp_replicas,
         reshard_after_forward=reshard if isinstance(reshard, bool) else dict(reshard), ac=c.ac, mp=c.mp,
-        seq_len=seq_len, batch=batch, **numbers,
+        seq_len=seq_len, batch=batch, microbatches=c.microbatches, **numbers,
     )
 
 
@@ -667,13 +701,13 @@ def _gib(n: int) -> str:
 
 
 def format_table(results: list[MemoryEstimate]) -> str:
-    head = ("| policy | peak GiB | params GiB | grads GiB | optim GiB | kept for bwd GiB | "
+    head = ("| policy | peak GiB | params GiB | grads GiB | unsynced grads GiB | optim GiB | kept for bwd GiB | "
             "of which gathered params | TP collectives | casts |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in results:
         lines.append(
             f"| {r.policy} | {_gib(r.peak_bytes)} | {_gib(r.param_bytes)} | {_gib(r.grad_bytes)} | "
-            f"{_gib(r.optimizer_bytes)} | {_gib(r.activation_bytes)} | "
+            f"{_gib(r.unsynced_grad_bytes)} | {_gib(r.optimizer_bytes)} | {_gib(r.activation_bytes)} | "
             f"{_gib(r.gathered_param_bytes)} | {_gib(r.kept_collective_bytes)} | "
             f"{_gib(r.kept_cast_bytes)} |"
         )
@@ -723,7 +757,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reshard-after-forward", required=True, choices=["true", "false"])
     p.add_argument("--ac", required=True, choices=AC_MODES)
     p.add_argument("--mp", default="bf16", choices=["bf16", "fp32"])
-    p.add_argument("--batch", type=int, default=1, help="sequences per data-parallel rank")
+    p.add_argument("--batch", type=int, default=1, help="sequences per data-parallel rank and microbatch")
+    p.add_argument("--microbatches", type=int, default=1,
+                   help="forward+backward passes per optimizer step, all but the last without gradient sync")
     p.add_argument("--policy", default="all", choices=("all",) + POLICIES)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -731,13 +767,13 @@ def main(argv: list[str] | None = None) -> None:
     results = estimate(
         spec_from_args(args), args.world_size, tp=args.tp, hsdp_replicas=args.hsdp_replicas,
         reshard_after_forward=args.reshard_after_forward == "true", ac=args.ac, mp=args.mp,
-        seq_len=args.seq_len, batch=args.batch,
+        seq_len=args.seq_len, batch=args.batch, microbatches=args.microbatches,
         policies=POLICIES if args.policy == "all" else (args.policy,),
     )
     r0 = results[0]
     print(f"{r0.model}: world {r0.world_size}, tp {r0.tp}, hsdp replicas {r0.hsdp_replicas}, "
           f"reshard_after_forward={r0.reshard_after_forward}, ac={r0.ac}, mp={r0.mp}, "
-          f"seq {r0.seq_len} x batch {r0.batch} per rank; rank 0, estimated in "
+          f"seq {r0.seq_len} x batch {r0.batch} x {r0.microbatches} microbatches per rank; rank 0, estimated in "
           f"{time.perf_counter() - t0:.0f} s\n")
     print(format_table(results))
     print("\nCost of the step (rank 0):\n")

@@ -42,6 +42,12 @@ def worker_real():
                 out[(reshard, ac, policy)] = min(runs, key=lambda m: m["peak_bytes"])
             else:  # the tracker settles functional collectives: one step is exact
                 out[(reshard, ac, policy)] = est.measure_step(model, tokens)
+    for policy in ("tagged", "fsdp2"):  # 3 microbatches, 2 of them without gradient sync
+        torch.manual_seed(0)
+        model = est.build_model(spec, mesh, policy=policy, reshard=False, ac="selective", mp="bf16")
+        tokens = torch.randint(0, spec.vocab_size, (1, SEQ + 1))
+        runs = [est.measure_step(model, tokens, microbatches=3) for _ in range(3 if policy == "fsdp2" else 1)]
+        out[("microbatches", policy)] = min(runs, key=lambda m: m["peak_bytes"])
     return out
 
 
@@ -79,6 +85,32 @@ def test_estimate_matches_real_run(real, reshard, ac):
             assert getattr(e, key) == measured[key], (key, e, measured)
         # Without TP no other collective's output is kept; casts are (the activations').
         assert e.kept_collective_bytes == 0 and e.kept_cast_bytes > 0, e
+
+
+def test_microbatches_without_sync_match_real_run(real):
+    """Microbatches without sync: fsdptag holds one unsharded fp32 gradient per bucket
+    (world x its shards), FSDP2 the same; reductions once per step, all-gathers per
+    microbatch; the estimate equals the real 3-microbatch gloo step."""
+    one, three, fsdp2 = est.estimate_each("llama3-debug", 2, [
+        est.StepConfig(reshard_after_forward=False, ac="selective"),
+        est.StepConfig(reshard_after_forward=False, ac="selective", microbatches=3),
+        est.StepConfig(reshard_after_forward=False, ac="selective", microbatches=3, policy="fsdp2"),
+    ], seq_len=SEQ)
+    measured = real[("microbatches", "tagged")]
+    for key in ("peak_bytes", "unsynced_grad_bytes", "grad_bytes", "activation_bytes", *COST_FIELDS):
+        assert getattr(three, key) == measured[key], (key, three, measured)
+    m2 = real[("microbatches", "fsdp2")]
+    assert fsdp2.unsynced_grad_bytes <= m2["unsynced_grad_bytes"] <= 1.15 * fsdp2.unsynced_grad_bytes, m2
+    # fp32 gradients of every parameter, unsharded (2 ranks: twice the sharded grads),
+    # with the buckets' padding to a multiple of the world
+    assert one.unsynced_grad_bytes == 0, one
+    assert 2 * three.grad_bytes <= three.unsynced_grad_bytes <= 1.02 * 2 * three.grad_bytes, three
+    print(f"\nunsynced gradients: fsdptag {three.unsynced_grad_bytes} B, FSDP2 {fsdp2.unsynced_grad_bytes} B; "
+          f"peak 1 microbatch {one.peak_bytes} B, 3: {three.peak_bytes} B (FSDP2 {fsdp2.peak_bytes} B)")
+    assert three.peak_bytes > one.peak_bytes
+    assert three.fsdp_reduce_scatter_bytes == one.fsdp_reduce_scatter_bytes
+    assert three.fsdp_all_gather_bytes == 3 * one.fsdp_all_gather_bytes
+    assert three.forward_flops == 3 * one.forward_flops
 
 
 def test_cli_writes_json(tmp_path, capsys):
