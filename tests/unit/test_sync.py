@@ -112,3 +112,30 @@ def test_bad_input(fake_pg):
     with pytest.raises(NotImplementedError, match="bucket='blocks'"):
         with fsdptag.no_sync(alone):
             pass
+
+
+@pytest.mark.parametrize("fake_pg", [4], indirect=True)
+def test_tensor_parallel_reduces_once(fake_pg):
+    """FSDP x TP (the built-in Llama's Megatron plan, dp 2 x tp 2): the data-parallel
+    reductions happen once per step; TP collectives run in every microbatch."""
+    from fsdptag import estimate as est
+
+    mesh = est.build_mesh("cpu", 4, 2, 1)
+    spec = est.builtin_model("llama3-debug", 16)
+
+    def step(microbatches: int) -> str:
+        torch.manual_seed(0)
+        model = est.build_model(spec, mesh, policy="tagged", reshard=False, ac="selective", mp="fp32")
+        tokens = torch.randint(0, spec.vocab_size, (1, 16))
+        with CollectiveCounter(mesh) as cc:
+            with fsdptag.no_sync(model):
+                for _ in range(microbatches - 1):
+                    model(tokens).sum().backward()
+            model(tokens).sum().backward()
+        dp = [e for e in cc.events if e.kind == "reduce_scatter" and "dp" in e.group]
+        tp = [e for e in cc.events if "tp" in e.group]
+        return f"x{microbatches}: dp reduce-scatters {len(dp)} ({sum(e.nbytes for e in dp)} B), tp collectives {len(tp)}"
+
+    assert_expected_inline("\n".join(step(n) for n in (1, 3)), """\
+x1: dp reduce-scatters 3 (251136 B), tp collectives 30
+x3: dp reduce-scatters 3 (251136 B), tp collectives 90""")
