@@ -340,11 +340,11 @@ class Bucket:
         ``_compiled.py``)."""
         return traced_gather(self)
 
-    def issue_all_gather(self, tagged: bool) -> Prefetched:
+    def issue_all_gather(self, tagged: bool, by: str = "learned") -> Prefetched:
         """Start this bucket's all-gather without waiting (Note [Prefetch])."""
         with torch.no_grad():
             cast = self._gather_input(self.stored(), tagged)
-            return Prefetched(tagged, cast, c10d.all_gather_into_tensor(cast, self.world, self.group_name))
+            return Prefetched(tagged, cast, c10d.all_gather_into_tensor(cast, self.world, self.group_name), by)
 
 
 @dataclass

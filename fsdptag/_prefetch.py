@@ -64,12 +64,16 @@ _RECOMPUTED = (GatherContext.CHECKPOINT, GatherContext.SAC, GatherContext.REENTR
 
 
 class Prefetched:
-    """An all-gather issued ahead: its (tagged) input as cast and its output."""
+    """An all-gather issued ahead: its (tagged) input as cast and its output. ``by``:
+    who issued it, ``"learned"`` (the order of the last step), ``"scheduled"`` (a
+    ``set_modules_to_*_prefetch`` list) or ``"unshard"`` (``fsdptag.unshard``: kept
+    until its bucket gathers or ``fsdptag.reshard``; Note [Explicit schedule] in
+    ``_schedule.py``)."""
 
-    __slots__ = ("tagged", "cast", "output")
+    __slots__ = ("tagged", "cast", "output", "by")
 
-    def __init__(self, tagged: bool, cast: torch.Tensor, output: torch.Tensor) -> None:
-        self.tagged, self.cast, self.output = tagged, cast, output
+    def __init__(self, tagged: bool, cast: torch.Tensor, output: torch.Tensor, by: str = "learned") -> None:
+        self.tagged, self.cast, self.output, self.by = tagged, cast, output, by
 
     def wait(self) -> None:
         c10d.wait_tensor(self.output)
@@ -126,10 +130,16 @@ class Prefetcher:
         self.pending: dict = {}  # bucket -> Prefetched
         self.will_regather: dict = {}  # zero3 buckets this forward left to re-gather in backward
         self._at_end = OncePerBackward()  # the end-of-backward callback
+        # Note [Explicit schedule] in _schedule.py: per direction, bucket root module ->
+        # the modules whose buckets its gather issues instead of the learned ones;
+        # resolved to buckets on first use (buckets can split: Note [Checkpointed bucket roots])
+        self.schedule: dict[str, dict] = {"forward": {}, "backward": {}}
+        self.buckets_of = None  # module -> its buckets (RootState.connect)
+        self._resolved: dict[str, dict] | None = None
 
     def __getstate__(self) -> dict:
         return dict(self.__dict__, order=[], backward_order=[], pending={}, will_regather={},
-                    _at_end=OncePerBackward(), default_order=None)
+                    _at_end=OncePerBackward(), default_order=None, _resolved=None)
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -137,13 +147,28 @@ class Prefetcher:
 
     def forget_order(self) -> None:
         """The buckets changed (Note [Checkpointed bucket roots] in ``_bucket.py``)."""
-        self.next, self.previous = {}, {}
+        self.next, self.previous, self._resolved = {}, {}, None
+
+    def set_schedule(self, direction: str, module, modules: list) -> None:
+        """``module``'s gather issues ``modules``' all-gathers (Note [Explicit schedule])."""
+        self.schedule[direction][module] = list(modules)
+        self._resolved = None
+
+    def _scheduled(self, direction: str, bucket) -> list | None:
+        if self.buckets_of is None:
+            return None
+        if self._resolved is None:
+            self._resolved = {
+                d: {b: [t for m in targets for t in self.buckets_of(m)]
+                    for module, targets in schedule.items() for b in self.buckets_of(module)}
+                for d, schedule in self.schedule.items()}
+        return self._resolved[direction].get(bucket)
 
     def take(self, bucket, tagged: bool) -> Prefetched | None:
         entry = self.pending.pop(bucket, None)
         if entry is None:
             return None
-        if (self.active or running_backward()) and entry.tagged == tagged:
+        if (self.active or running_backward() or entry.by == "unshard") and entry.tagged == tagged:
             return entry
         entry.wait()  # not usable here: finish it, the caller gathers afresh
         return None
@@ -156,23 +181,43 @@ class Prefetcher:
             self.backward_order.append(bucket)
             self._at_end.queue(self._end_backward)
             # each re-gathered once per backward, and only if forward left it to re-gather
-            ahead = self._ahead(bucket, self.previous, lambda b: b not in self.backward_order
-                                and b in self.will_regather)
+            wanted = lambda b: b not in self.backward_order and b in self.will_regather  # noqa: E731
+            scheduled = self._scheduled("backward", bucket)
+            ahead = self._ahead(bucket, self.previous, wanted) if scheduled is None else [
+                b for b in scheduled if wanted(b) and b.can_prefetch()]
         elif self.active:
             self.order.append(bucket)
             if bucket.tag.reshard_after_forward and gather_context() in _RECOMPUTED:
                 self.will_regather[bucket] = True  # its region's recompute gathers it again
-            ahead = self._ahead(bucket, self.next, lambda b: True)
+            scheduled = self._scheduled("forward", bucket)
+            ahead = self._ahead(bucket, self.next, lambda b: True) if scheduled is None else [
+                b for b in scheduled if b not in self.order and b.can_prefetch()]
         else:
             return
         if not tagged or not ahead:
             return
-        for stale in [b for b in self.pending if b not in ahead]:  # the order changed
-            self.pending.pop(stale).wait()
+        if scheduled is None:
+            for stale in [b for b, e in self.pending.items() if e.by == "learned" and b not in ahead]:
+                self.pending.pop(stale).wait()  # the order changed
         with sac_hidden(), torch.no_grad():
             for following in ahead:
                 if following not in self.pending:
-                    self.pending[following] = following.issue_all_gather(tagged)
+                    self.pending[following] = following.issue_all_gather(
+                        tagged, by="learned" if scheduled is None else "scheduled")
+
+    def unshard(self, bucket) -> Prefetched | None:
+        """Issue ``bucket``'s all-gather now, for its next gather (``fsdptag.unshard``)."""
+        if bucket in self.pending or not bucket.can_prefetch():
+            return self.pending.get(bucket)
+        with sac_hidden(), torch.no_grad():
+            entry = self.pending[bucket] = bucket.issue_all_gather(True, by="unshard")
+        return entry
+
+    def reshard(self, bucket) -> None:
+        """Release ``bucket``'s all-gather issued ahead and not claimed, if any."""
+        entry = self.pending.pop(bucket, None)
+        if entry is not None:
+            entry.wait()
 
     def _ahead(self, bucket, successor: dict, wanted) -> list:
         """The buckets among the ``depth`` that follow ``bucket`` in ``successor`` to
@@ -213,9 +258,9 @@ class Prefetcher:
         self._drain()
 
     def _drain(self) -> None:
-        for entry in self.pending.values():
-            entry.wait()
-        self.pending.clear()
+        """Wait out and release the unclaimed prefetches; ``fsdptag.unshard``'s stay."""
+        for bucket in [b for b, e in self.pending.items() if e.by != "unshard"]:
+            self.pending.pop(bucket).wait()
 
 
 def _successors(order: list) -> dict:

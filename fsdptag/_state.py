@@ -94,12 +94,17 @@ class RootState:
         if self.prefetcher is not None and not buckets:
             self.prefetcher = None  # nothing to prefetch
         if self.prefetcher is not None:
-            self.prefetcher.default_order = functools.partial(_module_order, weakref.ref(root), self)
+            self.connect(self.prefetcher, root)
         self.saved_hooks = SavedTensorHooks(params)
         self.handles += [
             root.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
             root.register_forward_hook(self._post_forward, always_call=True),
         ]
+
+    def connect(self, prefetcher: Prefetcher, root: nn.Module) -> None:
+        """Tell ``prefetcher`` the model's buckets (Note [Prefetch] in ``_prefetch.py``)."""
+        prefetcher.default_order = functools.partial(_module_order, weakref.ref(root), self)
+        prefetcher.buckets_of = _buckets_of
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         if is_compiling():  # Note [Compiled gathers]: the compiler runs the gathers
@@ -135,6 +140,11 @@ class RootState:
         if self.prefetcher is not None:
             self.prefetcher.post_forward()
         self.handouts.close(check=not raised)
+
+
+def _buckets_of(module: nn.Module) -> tuple[Bucket, ...]:
+    state = module_state(module)
+    return state.buckets if state is not None else ()
 
 
 def _module_order(model_ref, root: RootState) -> list[Bucket]:

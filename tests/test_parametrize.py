@@ -203,6 +203,40 @@ def _no_sync(mesh, r):
     return out
 
 
+def _schedule(mesh, r):
+    """Note [Explicit schedule]: ``prefetch=False`` with forward / backward prefetch lists
+    and an ``unshard`` before each forward trains bitwise like the default."""
+    out = {}
+    for zero in (2, 3):
+        for ac in ("none", "selective"):
+            runs = {}
+            for variant in ("default", "explicit"):
+                model = models.make_net()
+                fsdptag.parametrize(model, mesh, reshard_after_forward=zero == 3,
+                                    prefetch=variant == "default")
+                fsdptag.apply_ac(model, ac)
+                if variant == "explicit":
+                    l0, l1 = model.layers
+                    fsdptag.set_modules_to_forward_prefetch(model, [l0])
+                    fsdptag.set_modules_to_forward_prefetch(l0, [l1])
+                    fsdptag.set_modules_to_backward_prefetch(model, [l1])
+                    fsdptag.set_modules_to_backward_prefetch(l1, [l0])
+                optim = models.make_optim(model)
+                losses = []
+                for step in range(2):
+                    if variant == "explicit":
+                        fsdptag.unshard(model, async_op=True)
+                    tokens, targets = models.batch(step, 2)
+                    loss = models.loss_fn(model(tokens[r]), targets[r])
+                    loss.backward()
+                    optim.step()
+                    optim.zero_grad()
+                    losses.append(loss.detach())
+                runs[variant] = losses + [p.to_local() for p in model.parameters()]
+            out[f"zero{zero} {ac}"] = all(torch.equal(a, b) for a, b in zip(runs["default"], runs["explicit"]))
+    return out
+
+
 def _reduce_bytes(mesh):
     """Bytes the backward's gradient reductions move, per path and mixed precision."""
     out = {}
@@ -763,6 +797,7 @@ def worker_2ranks():
     cases["tagged dispatches"] = functools.partial(_tagged_dispatches, mesh, r)
     cases["prefetch"] = functools.partial(_prefetch, mesh, r)
     cases["no_sync"] = functools.partial(_no_sync, mesh, r)
+    cases["schedule"] = functools.partial(_schedule, mesh, r)
     cases["per-module tags"] = functools.partial(_per_module_tags, mesh)
     cases["meta init"] = functools.partial(_meta_init, mesh)
     cases["bucket storage"] = functools.partial(_bucket_storage, mesh)
@@ -928,6 +963,15 @@ zero2 none: bitwise FSDP2: True, vs syncing each: rel < 1e-6
 zero2 full: bitwise FSDP2: True, vs syncing each: rel < 1e-6
 zero3 none: bitwise FSDP2: True, vs syncing each: rel < 1e-6
 zero3 full: bitwise FSDP2: True, vs syncing each: rel < 1e-6""")
+
+
+def test_explicit_schedule(two_ranks):
+    text = "\n".join(f"{k}: bitwise {v}" for k, v in result(two_ranks, "schedule").items())
+    assert_expected_inline(text, """\
+zero2 none: bitwise True
+zero2 selective: bitwise True
+zero3 none: bitwise True
+zero3 selective: bitwise True""")
 
 
 def test_prefetch(two_ranks):
