@@ -113,9 +113,10 @@ class ACMode(enum.Enum):
     SELECTIVE = "selective"
 
 
-# A per-module reshard choice: one bool, ``fn(module_fqn, module) -> bool``, or a
-# mapping from module-FQN prefixes to bools (longest prefix wins, "" = default).
-ReshardPolicy = Union[bool, Callable[[str, nn.Module], bool], Mapping[str, bool]]
+# A per-module reshard choice: one bool (True = zero3) or int k (partial reshard: kept
+# sharded over k ranks, Note [Partial reshard] in _partial.py), ``fn(module_fqn, module)``
+# returning one, or a mapping from module-FQN prefixes to them (longest prefix wins, "" = default).
+ReshardPolicy = Union[bool, int, Callable[[str, nn.Module], Union[bool, int]], Mapping[str, Union[bool, int]]]
 
 # "blocks" | "param" | "module" | fn(module_fqn, module) -> bool marking bucket roots
 BucketPolicy = Union[str, Callable[[str, nn.Module], bool]]

@@ -92,13 +92,14 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 from ._api import MixedPrecisionPolicy
-from ._compat import contiguous_strides, graph_task_id
+from ._compat import contiguous_strides, graph_task_id, sac_hidden
 from ._compiled import forget_live, register_live, traced_gather
-from ._context import GatherContext, Zero2, gather_context, in_inference, sac_region
+from ._context import GatherContext, Zero2, gather_context, in_inference, running_backward, sac_region
 from ._collectives import GradientReduction, gradient_reduction
 from ._keep import KeptGather, Keeper
 from ._layout import copy_out, layout, pack, unpad
 from ._param import ParamGather, makes_copy
+from ._partial import PartialReshard
 from ._prefetch import Prefetched, ServedInput
 from ._tag import FSDPTag, FSDPTaggedTensor, check_unchanged, mark_gathered
 
@@ -115,7 +116,7 @@ class Bucket:
     see Note [Buckets]."""
 
     def __init__(self, name: str, reshard: bool, params: list[ParamGather], dp_mesh,
-                 mp: MixedPrecisionPolicy, root: RootState) -> None:
+                 mp: MixedPrecisionPolicy, root: RootState, partial: int | None = None) -> None:
         self.name = name
         self.params = params  # in slot order
         self.dp_mesh, self.mp = dp_mesh, mp  # to build its parts (``part``)
@@ -146,6 +147,8 @@ class Bucket:
         # Note [Accumulation without sync] in _sync.py
         self.requires_gradient_sync = True
         self.unsynced_grad: torch.Tensor | None = None  # (world, numel), in the reduce dtype
+        # reshard_after_forward=k: Note [Partial reshard] in _partial.py
+        self.partial = PartialReshard(partial, self.world, self.group_name) if partial else None
         register_live(self)
 
     def __getstate__(self) -> dict:
@@ -188,7 +191,8 @@ class Bucket:
     def part(self, name: str, params: list[ParamGather]) -> Bucket:
         """A new bucket of some of this one's ``params`` (in slot order), bound to their
         stored parameters and serving them from now on (Note [Checkpointed bucket roots])."""
-        b = Bucket(name, self.tag.reshard_after_forward, params, self.dp_mesh, self.mp, self.root)
+        b = Bucket(name, self.tag.reshard_after_forward, params, self.dp_mesh, self.mp, self.root,
+                   partial=self.partial.k if self.partial is not None else None)
         b.compiled, b.owner = self.compiled, self.owner
         b.bind()
         for g in params:
@@ -341,7 +345,13 @@ class Bucket:
         return traced_gather(self)
 
     def issue_all_gather(self, tagged: bool, by: str = "learned") -> Prefetched:
-        """Start this bucket's all-gather without waiting (Note [Prefetch])."""
+        """Start this bucket's all-gather without waiting (Note [Prefetch]); in backward
+        with a partial reshard over its ``k``-group (Note [Partial reshard])."""
+        kept = self.partial.take() if self.partial is not None and running_backward() else None
+        if kept is not None:
+            cast = FSDPTaggedTensor(kept, self.tag) if tagged else kept
+            return Prefetched(tagged, cast, c10d.all_gather_into_tensor(cast, self.partial.k,
+                                                                        self.partial.group_name), by)
         with torch.no_grad():
             cast = self._gather_input(self.stored(), tagged)
             return Prefetched(tagged, cast, c10d.all_gather_into_tensor(cast, self.world, self.group_name), by)
@@ -401,6 +411,11 @@ class _GatherBucket(torch.autograd.Function):
         # No FSDP op to checkpoint under inference_mode (which would also turn the cast
         # into aten.to.dtype, outside the tag table).
         tagged = tagged and not in_inference()
+        if prefetched is None and bucket.partial is not None and running_backward():
+            # a re-gather over the k-group, served through the usual ops (Note [Partial reshard])
+            if bucket.partial.take() is not None:
+                with sac_hidden():  # no region records it: the served ops below are what it sees
+                    prefetched = bucket.issue_all_gather(tagged)
         if prefetched is not None and tagged:  # issued ahead: the same ops, served (Note [Prefetch])
             gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(
                 bucket._gather_input(params, tagged, served=prefetched), bucket.world, bucket.group_name))
@@ -411,6 +426,8 @@ class _GatherBucket(torch.autograd.Function):
                 bucket._gather_input(params, tagged), bucket.world, bucket.group_name))
         else:  # DDP with a cast: the cast shard is the whole parameter
             gathered = bucket._gather_input(params, tagged)
+        if bucket.partial is not None and not running_backward() and bucket.root.training_forward():
+            bucket.partial.keep(gathered._elem if type(gathered) is FSDPTaggedTensor else gathered)
         pieces = copy_out(gathered, bucket.world, bucket.numel, bucket.split_sizes)  # tagged by FSDPTag.parts
         if tagged:  # compute gets plain tensors (Note [Marked handout] in _tag.py)
             pieces = [mark_gathered(p._elem, tag) for p, tag in zip(pieces, bucket.tag.parts)]

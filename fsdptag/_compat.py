@@ -89,6 +89,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_
 from torch.utils.checkpoint import SelectiveCheckpointContext, _CachedTorchDispatchMode, _CachingTorchDispatchMode
 
 __all__ = [
+    "resolve_group",
     "OncePerBackward",
     "AsyncCollectiveTensor",
     "SAC_POLICY_SEES_OUTPUT",
@@ -371,3 +372,8 @@ def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
     RuntimeError when they are not. Real even while estimating on fake tensors."""
     with unset_fake_temporarily():
         return DeviceMesh._concatenate(meshes)
+
+
+def resolve_group(group_name: str):
+    """The process group registered as ``group_name`` (functional collectives' names)."""
+    return torch.distributed.distributed_c10d._resolve_process_group(group_name)

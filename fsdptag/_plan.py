@@ -25,6 +25,7 @@ from ._bucket import Bucket
 from ._class_swap import user_class
 from ._compat import StridedShard, concatenate_meshes
 from ._param import ParamGather, ParamModuleInfo
+from ._partial import check_partial
 from ._state import ModuleState, RootState, module_state
 from ._tag import FSDPTag
 
@@ -40,7 +41,7 @@ class _Setting:
     dp_placements: tuple[Placement, ...]
     mp: MixedPrecisionPolicy
     shard_dim: int
-    reshard_of: Callable[[str, nn.Module], bool]
+    reshard_of: Callable[[str, nn.Module], bool | int]
     bucket_roots: dict[str, nn.Module]  # by FQN
     overlap: OverlapPolicy
 
@@ -52,6 +53,7 @@ class ParametrizePlan:
     root: RootState
     params: dict[str, ParamGather]  # one per stored parameter, by its first FQN
     sharded: dict[str, nn.Parameter]  # the new stored parameters, by the same FQN
+    partial: dict[str, int] = field(default_factory=dict)  # FQN -> k (Note [Partial reshard])
     modules: dict[int, ModuleChange] = field(default_factory=dict)  # by id(module)
 
     def state_of(self, module: nn.Module) -> ModuleState:
@@ -80,6 +82,12 @@ def plan_parametrization(model: nn.Module, mesh, mode, reshard_after_forward, mp
     plan_parameters(plan, setting, params)
     if setting.shard_dim == 0 or setting.mode is DataParallelMode.REPLICATE:
         plan_buckets(plan, setting)
+    alone = [fqn for fqn in plan.partial if plan.params[fqn].bucket is None]
+    if alone:
+        raise NotImplementedError(
+            f"reshard_after_forward=k (partial reshard) needs bucketed gathers, but {alone[0]!r} is gathered "
+            "alone (bucket='param', shard_dim > 0, or no bucket root above it); use bucket='blocks' (the "
+            "default) or reshard_after_forward=True for it")
     return plan
 
 
@@ -135,7 +143,13 @@ def plan_parameters(plan: ParametrizePlan, setting: _Setting, params: list) -> N
             plan.state_of(module).params[name] = gather
             continue
         _check_param(fqn, param, setting)
-        reshard = setting.reshard_of(mfqn, module) and setting.mode is not DataParallelMode.REPLICATE
+        reshard = setting.reshard_of(mfqn, module)
+        if setting.mode is DataParallelMode.REPLICATE:
+            reshard = False  # nothing to reshard
+        if reshard is not True and reshard is not False:  # an int k: Note [Partial reshard]
+            check_partial(reshard, setting.dp_mesh, fqn)
+            plan.partial[fqn] = reshard
+            reshard = True
         gather, sharded = _shard_param(
             param, FSDPTag(fqn, reshard), ParamModuleInfo(module, name), setting, plan.root)
         seen[id(param)] = plan.params[fqn] = gather
@@ -154,18 +168,19 @@ def plan_buckets(plan: ParametrizePlan, setting: _Setting) -> None:
         if root is not None:
             by_root.setdefault(root, []).append(gather)
     for root, gathers in by_root.items():
-        groups: dict[tuple[torch.dtype, bool], list[ParamGather]] = {}
+        groups: dict[tuple[torch.dtype, bool, int | None], list[ParamGather]] = {}
         for g in gathers:
-            groups.setdefault((plan.sharded[g.fqn].dtype, g.tag.reshard_after_forward), []).append(g)
-        dtypes, reshards = {k[0] for k in groups}, {k[1] for k in groups}
+            key = (plan.sharded[g.fqn].dtype, g.tag.reshard_after_forward, plan.partial.get(g.fqn))
+            groups.setdefault(key, []).append(g)
+        dtypes, reshards = {k[0] for k in groups}, {k[1:] for k in groups}
         buckets = []
-        for (dtype, reshard), group in groups.items():
+        for (dtype, reshard, k), group in groups.items():
             name = root or "<root>"
             if len(dtypes) > 1:
                 name += f"[{str(dtype).removeprefix('torch.')}]"
             if len(reshards) > 1:
-                name += f"[zero{3 if reshard else 2}]"
-            b = Bucket(name, reshard, group, setting.dp_mesh, setting.mp, plan.root)
+                name += f"[zero{3 if reshard else 2}{'' if k is None else f'@{k}'}]"
+            b = Bucket(name, reshard, group, setting.dp_mesh, setting.mp, plan.root, partial=k)
             b.bind([plan.sharded[g.fqn] for g in group])  # the new parameters only: the model is untouched
             b.owner = weakref.ref(setting.bucket_roots[root])
             for g in group:
@@ -225,16 +240,22 @@ def _parse_mode(mode) -> DataParallelMode:
         raise ValueError(f"unknown mode={mode!r}; use one of {choices}") from None
 
 
-def _reshard_resolver(model: nn.Module, policy: ReshardPolicy) -> Callable[[str, nn.Module], bool]:
-    if isinstance(policy, bool):
+def _reshard_value(value, where: str):
+    """A bool, or an int k > 1 (partial reshard, checked against the mesh later)."""
+    if isinstance(value, bool) or (isinstance(value, int) and value > 1):
+        return value
+    raise TypeError(f"{where}={value!r} must be a bool (True = zero3) or an int k > 1 (kept sharded over k ranks "
+                    "after forward)")
+
+
+def _reshard_resolver(model: nn.Module, policy: ReshardPolicy) -> Callable[[str, nn.Module], bool | int]:
+    if isinstance(policy, (bool, int)):
+        policy = _reshard_value(policy, "reshard_after_forward")
         return lambda fqn, module: policy
     if isinstance(policy, Mapping):
         names = {fqn for fqn, _ in model.named_modules()}
         for prefix, value in policy.items():
-            if not isinstance(value, bool):
-                raise TypeError(
-                    f"reshard_after_forward[{prefix!r}]={value!r} must be a bool (True = zero3)"
-                )
+            _reshard_value(value, f"reshard_after_forward[{prefix!r}]")
             if prefix != "" and prefix not in names:
                 raise ValueError(
                     f"reshard_after_forward names module {prefix!r}, which is not in the model; "
@@ -242,7 +263,7 @@ def _reshard_resolver(model: nn.Module, policy: ReshardPolicy) -> Callable[[str,
                 )
         ordered = sorted(policy.items(), key=lambda kv: -len(kv[0]))
 
-        def from_prefix(fqn: str, module: nn.Module) -> bool:
+        def from_prefix(fqn: str, module: nn.Module) -> bool | int:
             for prefix, value in ordered:
                 if prefix == "" or fqn == prefix or fqn.startswith(prefix + "."):
                     return value
@@ -250,19 +271,13 @@ def _reshard_resolver(model: nn.Module, policy: ReshardPolicy) -> Callable[[str,
 
         return from_prefix
     if callable(policy):
-        def from_callable(fqn: str, module: nn.Module) -> bool:
-            value = policy(fqn, module)
-            if not isinstance(value, bool):
-                raise TypeError(
-                    f"reshard_after_forward callable returned {value!r} for module {fqn!r}; "
-                    "it must return a bool (True = zero3)"
-                )
-            return value
+        def from_callable(fqn: str, module: nn.Module) -> bool | int:
+            return _reshard_value(policy(fqn, module), f"reshard_after_forward callable's value for module {fqn!r}")
 
         return from_callable
     raise TypeError(
-        f"reshard_after_forward={policy!r} must be a bool, a callable (module_fqn, module) -> bool, "
-        "or a dict of module-FQN prefixes to bools"
+        f"reshard_after_forward={policy!r} must be a bool, an int k > 1, a callable (module_fqn, module) -> "
+        "one of them, or a dict of module-FQN prefixes to them"
     )
 
 

@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ._compat import (AsyncCollectiveTensor, StorageWeakRef, in_backward, storage_expired, storage_from_weak,
                       storage_use_count)
 from ._param import disable_tagging
+from ._partial import partial_groups
 from ._prefetch import is_served
 from ._tag import first_tag, innermost
 
@@ -140,6 +141,9 @@ class CollectiveCounter(TorchDispatchMode):
             names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
             for i, name in enumerate(names):
                 self.labels.setdefault(mesh.get_group(i).group_name, name)
+        for sub, (parent, k) in partial_groups().items():  # Note [Partial reshard]: "dp/2"
+            if parent in self.labels:
+                self.labels.setdefault(sub, f"{self.labels[parent]}/{k}")
         self.events: list[CollectiveEvent] = []
         self._compute = 0  # compute ops dispatched so far
         self._in_flight: dict[int, tuple[int, int]] = {}  # output's storage -> (event index, compute at issue)

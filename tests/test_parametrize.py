@@ -1098,7 +1098,7 @@ unknown mode: ValueError: unknown mode='zero3'; use one of 'replicate', 'fully_s
 1d mesh for hybrid_shard: ValueError: data-parallel mesh has 1 dim(s) ('dp',) but mode='hybrid_shard' needs 2; pass a 2D mesh (replicate, shard) or use mode='fully_shard'
 parametrize twice: ValueError: Net is already parametrized by fsdptag; call fsdptag.parametrize once, on the root module
 0-dim parameter: ValueError: parameter 'scale' has shape (), which has no dim 0 to shard; reshape it to at least 1 dims or use mode='replicate'
-reshard of wrong type: TypeError: reshard_after_forward='yes' must be a bool, a callable (module_fqn, module) -> bool, or a dict of module-FQN prefixes to bools
+reshard of wrong type: TypeError: reshard_after_forward='yes' must be a bool, an int k > 1, a callable (module_fqn, module) -> one of them, or a dict of module-FQN prefixes to them
 reshard names missing module: ValueError: reshard_after_forward names module 'layers.7', which is not in the model; use module FQNs from model.named_modules() ("" sets the default)
 prefetch of wrong type: TypeError: prefetch='1' must be True (issue the next bucket's all-gather early), False, an int >= 0 (buckets gathered ahead) or a fsdptag.OverlapPolicy""")
 
@@ -1128,6 +1128,39 @@ def _tp_collectives_consistent(mesh):
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)  # all_gather_object would need numpy
     return len({bytes(t.tolist()) for t in everyone})
+
+
+def _partial_reshard(mesh, r):
+    """Note [Partial reshard]: ``reshard_after_forward=2`` on 4 ranks trains bitwise like
+    zero3, re-gathers in backward over 2-rank groups, and keeps for backward more than
+    zero3 and less than zero2."""
+    from fsdptag import estimate as est
+
+    out = {}
+    for ac in ("none", "selective", "full"):
+        runs, kept = {}, {}
+        for reshard in (True, 2, False):
+            model = models.make_net()
+            fsdptag.parametrize(model, mesh, reshard_after_forward=reshard)
+            fsdptag.apply_ac(model, ac)
+            optim = models.make_optim(model)
+            losses = []
+            for step in range(2):
+                tokens, targets = models.batch(step, 4)
+                with CollectiveCounter(mesh) as cc:
+                    loss = models.loss_fn(model(tokens[r]), targets[r])
+                    loss.backward()
+                optim.step()
+                optim.zero_grad()
+                losses.append(loss.detach())
+            if reshard == 2:
+                out[f"{ac} collectives"] = cc.summary()
+            runs[reshard] = losses + [p.to_local() for p in model.parameters()]
+            kept[reshard] = est.measure_step(model, torch.randint(0, models.VOCAB, (2, models.SEQ + 1)))[
+                "activation_bytes"]
+        out[f"{ac} bitwise zero3"] = all(torch.equal(a, b) for a, b in zip(runs[True], runs[2]))
+        out[f"{ac} kept zero3 < k=2 < zero2"] = (kept[True] < kept[2] < kept[False], kept[True], kept[2], kept[False])
+    return out
 
 
 def worker_4ranks():
@@ -1170,6 +1203,7 @@ def worker_4ranks():
             _collectives, dp_tp, "fully_shard", reshard, tp_mesh=dp_tp["tp"],
             dp_rank=dp_rank, dp_size=2, bucket="block")
     cases["uneven zero3 ranks agree"] = functools.partial(_tp_collectives_consistent, flat)
+    cases["partial reshard"] = functools.partial(_partial_reshard, flat, r)
     return run_cases(cases)
 
 
@@ -1185,6 +1219,26 @@ def test_parity_4ranks(four_ranks, config, bucket, zero):
     # Four ranks' gradients are summed in gloo's order, not the reference's: seen up to
     # 1.1e-6 relative after training.
     _assert_parity(four_ranks, f"parity {config}{bucket} zero{zero}", rel=3e-6)
+
+
+def test_partial_reshard_4ranks(four_ranks):
+    text = "\n".join(f"{k}: {v}" for k, v in result(four_ranks, "partial reshard").items())
+    assert_expected_inline(text, """\
+none collectives: forward  all_gather dp [fsdp] x3
+backward all_gather dp/2 [fsdp] x3
+backward reduce_scatter dp x3
+none bitwise zero3: True
+none kept zero3 < k=2 < zero2: (True, 13160, 20344, 24808)
+selective collectives: forward  all_gather dp [fsdp] x3
+backward all_gather dp/2 [fsdp] x3
+backward reduce_scatter dp x3
+selective bitwise zero3: True
+selective kept zero3 < k=2 < zero2: (True, 4904, 12088, 16968)
+full collectives: forward  all_gather dp [fsdp] x3
+backward all_gather dp/2 [fsdp] x3
+backward reduce_scatter dp x3
+full bitwise zero3: True
+full kept zero3 < k=2 < zero2: (True, 4904, 12088, 16968)""")
 
 
 def test_collectives_4ranks(four_ranks):
