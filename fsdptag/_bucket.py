@@ -413,7 +413,7 @@ class _GatherBucket(torch.autograd.Function):
         tagged = tagged and not in_inference()
         if prefetched is None and bucket.partial is not None and running_backward():
             # a re-gather over the k-group, served through the usual ops (Note [Partial reshard])
-            if bucket.partial.take() is not None:
+            if bucket.partial.available():
                 with sac_hidden():  # no region records it: the served ops below are what it sees
                     prefetched = bucket.issue_all_gather(tagged)
         if prefetched is not None and tagged:  # issued ahead: the same ops, served (Note [Prefetch])

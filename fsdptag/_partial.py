@@ -18,7 +18,9 @@ recompute's, a prefetch's) is issued over the ``k``-group from the kept rows and
 served through the usual ops (:class:`~fsdptag._prefetch.ServedInput`), so a
 checkpointed region's recompute still dispatches a cast, an all-gather and a wait, as
 SAC's per-op replay requires. The rows are taken in each training forward (grad on,
-not in backward) and dropped at the end of the backward that used them.
+not in backward) and dropped when the backward has re-gathered once per such forward
+(in the usual step, right after its one re-gather), else at that backward's end. A
+bucket backward never re-gathers (an embedding table alone) keeps its rows until then.
 
 One process group per distinct (shard group, k), created once per process, only the
 ``k``-groups (FSDP2 builds a 2-D mesh per call, both dims' groups). Bucketed gathers
@@ -78,21 +80,34 @@ class PartialReshard:
         self.rows = slice(position * world // k, (position + 1) * world // k)
         self.world = world
         self.kept: torch.Tensor | None = None
+        self.uses = 0  # training forwards that gathered since, less backward re-gathers
         self._drop = OncePerBackward()
 
     def __getstate__(self) -> dict:
-        return dict(self.__dict__, kept=None)
+        return dict(self.__dict__, kept=None, uses=0)
 
     def keep(self, gathered: torch.Tensor) -> None:
-        """After a training forward's gather: this rank's rows of it."""
-        with torch.no_grad():
-            self.kept = gathered.view(self.world, -1)[self.rows].reshape(-1).clone()
+        """After a training forward's gather: this rank's rows of it (the same rows
+        again for a second forward before backward: the parameters did not change)."""
+        if self.kept is None:
+            with torch.no_grad():
+                self.kept = gathered.view(self.world, -1)[self.rows].reshape(-1).clone()
+        self.uses += 1
+
+    def available(self) -> bool:
+        return self.kept is not None
 
     def take(self) -> torch.Tensor | None:
-        """In backward: the kept rows (dropped at this backward's end), or None."""
-        if self.kept is not None:
-            self._drop.queue(self._release)
-        return self.kept
+        """In backward, for one re-gather: the kept rows, or None. Dropped once every
+        forward that kept them has re-gathered, else at this backward's end."""
+        kept = self.kept
+        if kept is not None:
+            self.uses -= 1
+            if self.uses <= 0:
+                self._release()
+            else:
+                self._drop.queue(self._release)
+        return kept
 
     def _release(self) -> None:
-        self.kept = None
+        self.kept, self.uses = None, 0

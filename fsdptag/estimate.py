@@ -89,7 +89,7 @@ class MemoryEstimate:
     world_size: int
     tp: int
     hsdp_replicas: int
-    reshard_after_forward: bool | dict[str, bool]  # True = zero3; a dict: per module-FQN prefix
+    reshard_after_forward: bool | int | dict[str, bool | int]  # True = zero3, k: partial; a dict: per prefix
     ac: str
     mp: str
     seq_len: int
@@ -107,6 +107,7 @@ class MemoryEstimate:
     # The step's collectives: on the data-parallel mesh dims (fsdp_, all_reduce: HSDP's
     # replicate dim) and on the TP dim (tp_); an all-gather's output, anything else's input.
     fsdp_all_gather_bytes: int
+    fsdp_partial_all_gather_bytes: int  # backward re-gathers over k-rank groups (reshard_after_forward=k)
     fsdp_reduce_scatter_bytes: int
     fsdp_all_reduce_bytes: int
     tp_all_gather_bytes: int
@@ -455,7 +456,7 @@ def _logits(out) -> torch.Tensor:
     return logits
 
 
-_COLLECTIVE_FIELDS = ("fsdp_all_gather_bytes", "fsdp_reduce_scatter_bytes", "fsdp_all_reduce_bytes",
+_COLLECTIVE_FIELDS = ("fsdp_all_gather_bytes", "fsdp_partial_all_gather_bytes", "fsdp_reduce_scatter_bytes", "fsdp_all_reduce_bytes",
                       "tp_all_gather_bytes", "tp_reduce_scatter_bytes", "tp_all_reduce_bytes",
                       "other_collective_bytes")
 
@@ -463,7 +464,8 @@ _COLLECTIVE_FIELDS = ("fsdp_all_gather_bytes", "fsdp_reduce_scatter_bytes", "fsd
 def _collective_bytes(counter: CollectiveCounter) -> dict[str, int]:
     out = dict.fromkeys(_COLLECTIVE_FIELDS, 0)
     for e in counter.events:
-        key = f"{'tp' if e.group == 'tp' else 'fsdp'}_{e.kind}_bytes"
+        partial = "/" in e.group  # a k-group, labelled "dp/k" (Note [Partial reshard])
+        key = f"{'tp' if e.group == 'tp' else 'fsdp'}_{'partial_' if partial else ''}{e.kind}_bytes"
         out[key if key in out else "other_collective_bytes"] += e.nbytes
     return out
 
@@ -691,7 +693,7 @@ def _estimate_one(spec: ModelSpec, mesh: DeviceMesh, world_size: int, c: StepCon
     reshard = c.reshard_after_forward
     return MemoryEstimate(
         policy=c.policy, model=spec.name, world_size=world_size, tp=c.tp, hsdp_replicas=c.hsdp_replicas,
-        reshard_after_forward=reshard if isinstance(reshard, bool) else dict(reshard), ac=c.ac, mp=c.mp,
+        reshard_after_forward=reshard if isinstance(reshard, (bool, int)) else dict(reshard), ac=c.ac, mp=c.mp,
         seq_len=seq_len, batch=batch, microbatches=c.microbatches, **numbers,
     )
 
@@ -716,7 +718,7 @@ def format_table(results: list[MemoryEstimate]) -> str:
 
 def format_cost_table(results: list[MemoryEstimate]) -> str:
     """Per policy: GiB moved by each kind of collective in the step, and TFLOPs."""
-    head = ("| policy | FSDP all-gather GiB | FSDP reduce-scatter GiB | FSDP all-reduce GiB | "
+    head = ("| policy | FSDP all-gather GiB | of k-groups GiB | FSDP reduce-scatter GiB | FSDP all-reduce GiB | "
             "TP all-gather GiB | TP reduce-scatter GiB | TP all-reduce GiB | fwd TFLOP | bwd TFLOP | "
             "recompute TFLOP |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -748,13 +750,23 @@ def spec_from_args(args: argparse.Namespace) -> ModelSpec:
     return model_spec(args.model or "llama3-8b", seq_len=args.seq_len, tp_plan=tp_plan)
 
 
+def _reshard_arg(text: str) -> bool | int:
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: write true, false or an int K > 1") from None
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m fsdptag.estimate", description=__doc__.splitlines()[0])
     add_model_args(p)
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--hsdp-replicas", type=int, default=1)
-    p.add_argument("--reshard-after-forward", required=True, choices=["true", "false"])
+    p.add_argument("--reshard-after-forward", required=True, type=_reshard_arg, metavar="{true,false,K}",
+                   help="true (zero3), false (zero2) or K: kept sharded over K ranks after forward")
     p.add_argument("--ac", required=True, choices=AC_MODES)
     p.add_argument("--mp", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--batch", type=int, default=1, help="sequences per data-parallel rank and microbatch")
@@ -766,7 +778,7 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     results = estimate(
         spec_from_args(args), args.world_size, tp=args.tp, hsdp_replicas=args.hsdp_replicas,
-        reshard_after_forward=args.reshard_after_forward == "true", ac=args.ac, mp=args.mp,
+        reshard_after_forward=args.reshard_after_forward, ac=args.ac, mp=args.mp,
         seq_len=args.seq_len, batch=args.batch, microbatches=args.microbatches,
         policies=POLICIES if args.policy == "all" else (args.policy,),
     )

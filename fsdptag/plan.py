@@ -22,7 +22,10 @@ ranks configurations rather than predicting a step time):
   an all-gather or reduce-scatter of ``B`` bytes over ``n`` ranks sends
   ``B (n-1)/n``, an all-reduce twice that), data-parallel ones over ``--bandwidth``
   (default 50 GB/s per GPU: one 400 Gb/s NIC per GPU, between nodes), TP ones over
-  ``--tp-bandwidth`` (default 450 GB/s: NVLink within a node, TP <= 8);
+  ``--tp-bandwidth`` (default 450 GB/s: NVLink within a node, TP <= 8), and the
+  backward re-gathers of ``reshard_after_forward=k`` (``--partial-reshard k``, rows
+  "zero3@k") over k-rank groups over ``--partial-bandwidth`` (default 450 GB/s: a
+  group within a node);
 * ``compute_s``: forward + backward + recompute FLOPs over ``--device-flops``
   (default 400 TFLOP/s: ~40% of an H100's / H200's dense bf16 peak).
 
@@ -53,7 +56,7 @@ from .estimate import (AC_MODES, MemoryEstimate, ModelSpec, StepConfig, add_mode
 __all__ = ["ZERO_MODES", "Candidate", "Plan", "Rates", "Row", "format_plan", "keep_last_policy", "parse_bytes", "plan",
            "time_proxy"]
 
-ZERO_MODES = ("zero2", "zero3", "zero3-keep-last")
+ZERO_MODES = ("zero2", "zero3", "zero3-keep-last", "zero3@k")
 _AC_CALLS = {
     "none": None,
     "full": 'fsdptag.apply_ac(model, "full")',
@@ -68,6 +71,7 @@ class Rates:
 
     bandwidth: float = 50e9  # bytes/s, data-parallel collectives
     tp_bandwidth: float = 450e9  # bytes/s, TP collectives
+    partial_bandwidth: float = 450e9  # bytes/s, partial reshard's k-group re-gathers (within a node)
     device_flops: float = 400e12  # FLOP/s
 
 
@@ -135,7 +139,10 @@ def time_proxy(e: MemoryEstimate, rates: Rates = Rates()) -> tuple[float, float]
     dp_bytes = ((e.fsdp_all_gather_bytes + e.fsdp_reduce_scatter_bytes) * _ring(shard)
                 + 2 * e.fsdp_all_reduce_bytes * _ring(e.hsdp_replicas) + e.other_collective_bytes)
     tp_bytes = (e.tp_all_gather_bytes + e.tp_reduce_scatter_bytes + 2 * e.tp_all_reduce_bytes) * _ring(e.tp)
-    comm = dp_bytes / rates.bandwidth + tp_bytes / rates.tp_bandwidth
+    ks = [v for v in (e.reshard_after_forward.values() if isinstance(e.reshard_after_forward, dict)
+                      else [e.reshard_after_forward]) if not isinstance(v, bool) and v > 1]
+    partial_bytes = e.fsdp_partial_all_gather_bytes * _ring(max(ks, default=1))
+    comm = dp_bytes / rates.bandwidth + tp_bytes / rates.tp_bandwidth + partial_bytes / rates.partial_bandwidth
     return comm, (e.forward_flops + e.backward_flops + e.recompute_flops) / rates.device_flops
 
 
@@ -152,6 +159,8 @@ def keep_last_policy(model: nn.Module) -> dict[str, bool]:
 
 
 def _reshard(zero: str, keep_last: dict[str, bool] | None):
+    if zero.startswith("zero3@"):  # partial reshard over k ranks (Note [Partial reshard])
+        return int(zero.removeprefix("zero3@"))
     return {"zero2": False, "zero3": True}.get(zero, keep_last)
 
 
@@ -159,8 +168,10 @@ def plan(model: str | ModelSpec | Callable[[], nn.Module], world_size: int, memo
          tp: Sequence[int] = (1,), batch: Sequence[int] = (1,), ac: Sequence[str] = AC_MODES,
          rates: Rates = Rates(), seq_len: int | None = None,
          tp_plan: Callable[[nn.Module, DeviceMesh], None] | None = None,
-         progress: Callable[[Row], None] | None = None) -> Plan:
+         progress: Callable[[Row], None] | None = None, partial: Sequence[int] = ()) -> Plan:
     """Estimate every configuration (module docstring) and mark the Pareto set.
+    ``partial``: k values of ``reshard_after_forward=k`` to try ("zero3@k") where zero3
+    fits and zero2 does not.
 
     A TP degree whose estimate raises ``ValueError`` (no TP plan, heads not divisible,
     world size not divisible) is skipped with the reason in ``Plan.skipped``.
@@ -178,7 +189,7 @@ def plan(model: str | ModelSpec | Callable[[], nn.Module], world_size: int, memo
     result = Plan(spec.name, world_size, memory_bytes, rates, [], keep_last=keep_last)
     for degree in tp:
         try:
-            result.rows += _sweep(spec, result, degree, batch, ac, progress)
+            result.rows += _sweep(spec, result, degree, batch, ac, progress, partial)
         except ValueError as e:
             result.skipped.append(f"tp={degree}: {e}")
             continue
@@ -201,7 +212,7 @@ def _check(world_size: int, memory_bytes: int, tp, batch, ac) -> None:
         raise ValueError(f"memory={memory_bytes} B, world_size={world_size}: both must be positive")
 
 
-def _sweep(spec: ModelSpec, p: Plan, tp: int, batches, acs, progress) -> list[Row]:
+def _sweep(spec: ModelSpec, p: Plan, tp: int, batches, acs, progress, partial=()) -> list[Row]:
     """zero2 and zero3 for every (AC, batch) at one TP degree, then zero3-keep-last where
     it can be on the Pareto set: zero2 (faster, no backward gathers) does not fit, zero3 does."""
     def run(candidates: list[Candidate]) -> list[Row]:
@@ -217,8 +228,11 @@ def _sweep(spec: ModelSpec, p: Plan, tp: int, batches, acs, progress) -> list[Ro
 
     rows = run([Candidate(z, a, tp, b) for b in batches for a in acs for z in ("zero2", "zero3")])
     fits = {(r.candidate.zero, r.candidate.ac, r.candidate.batch): r.fits for r in rows}
-    return rows + run([Candidate("zero3-keep-last", a, tp, b) for b in batches for a in acs
-                       if fits[("zero3", a, b)] and not fits[("zero2", a, b)]])
+    shard = p.world_size // tp
+    ks = [k for k in partial if 1 < k < shard and shard % k == 0]  # others: not a partial reshard here
+    return rows + run([Candidate(z, a, tp, b) for b in batches for a in acs
+                       if fits[("zero3", a, b)] and not fits[("zero2", a, b)]
+                       for z in ("zero3-keep-last", *(f"zero3@{k}" for k in ks))])
 
 
 def _mark_pareto(rows: list[Row]) -> None:
@@ -370,19 +384,23 @@ def main(argv: list[str] | None = None) -> Plan:
                     help=f"AC modes to try (default {','.join(AC_MODES)})")
     ap.add_argument("--bandwidth", default="50GB/s", help="data-parallel bytes/s per GPU (Note [Time proxy])")
     ap.add_argument("--tp-bandwidth", default="450GB/s", help="TP bytes/s per GPU")
+    ap.add_argument("--partial-reshard", type=_ints, default=[], metavar="K,...",
+                    help="also try reshard_after_forward=K (kept sharded over K ranks, e.g. 8: one node)")
+    ap.add_argument("--partial-bandwidth", default="450GB/s",
+                    help="bytes/s per GPU of the K-rank re-gathers (default: within a node)")
     ap.add_argument("--device-flops", default="400T", help="FLOP/s per GPU")
     ap.add_argument("--plot", default=None, metavar="OUT.png", help="memory vs time proxy (needs matplotlib)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--all", action="store_true", help="also print every configuration")
     args = ap.parse_args(argv)
     rates = Rates(parse_bytes(args.bandwidth, "B/s"), parse_bytes(args.tp_bandwidth, "B/s"),
-                  parse_bytes(args.device_flops, "FLOP/s"))
+                  parse_bytes(args.partial_bandwidth, "B/s"), parse_bytes(args.device_flops, "FLOP/s"))
     memory = int(parse_bytes(args.memory))
     if args.plot:
         _pyplot()  # before the sweep, not after it
     t0, cpu0 = time.perf_counter(), time.process_time()
     p = plan(spec_from_args(args), args.world_size, memory, tp=args.tp, batch=args.batch, ac=args.ac,
-             rates=rates, progress=functools.partial(_progress, t0))
+             rates=rates, progress=functools.partial(_progress, t0), partial=args.partial_reshard)
     seq = p.rows[0].estimate.seq_len if p.rows else args.seq_len
     print(f"{p.model}: world {p.world_size}, seq {seq}, memory {_size(memory)} per GPU; time proxy: "
           f"bytes sent / {rates.bandwidth / 1e9:g} GB/s (data parallel), / {rates.tp_bandwidth / 1e9:g} GB/s (TP) "

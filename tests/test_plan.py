@@ -94,6 +94,19 @@ def test_recommended_fits_and_rejected_does_not_for_real(swept):
     assert (real["recommended"], real["rejected"]) == (best.estimate.peak_bytes, rejected.estimate.peak_bytes)
 
 
+def test_time_proxy_of_partial_reshard():
+    """The k-group re-gathers: (k-1)/k of their bytes over the partial bandwidth."""
+    fields = {f: 0 for f in est.MemoryEstimate.__dataclass_fields__}
+    e = est.MemoryEstimate(**{**fields, "policy": "tagged", "model": "m", "ac": "none", "mp": "bf16",
+                              "world_size": 16, "tp": 1, "hsdp_replicas": 1, "seq_len": 8, "batch": 1,
+                              "reshard_after_forward": 4, "fsdp_all_gather_bytes": 800,
+                              "fsdp_partial_all_gather_bytes": 800})
+    rates = planner.Rates(bandwidth=100.0, partial_bandwidth=300.0)
+    comm, _ = planner.time_proxy(e, rates)
+    assert comm == 800 * 15 / 16 / 100 + 800 * 3 / 4 / 300
+    assert planner._reshard("zero3@4", None) == 4
+
+
 def test_time_proxy_is_explicit():
     """Ring collectives: (n-1)/n of an all-gather / reduce-scatter, twice that for an all-reduce."""
     fields = {f: 0 for f in est.MemoryEstimate.__dataclass_fields__}
