@@ -17,6 +17,26 @@ def _quick_start() -> str:
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
+def _controls() -> str:
+    text = README.read_text()
+    section = text[text.index("## FSDP2's training controls"):]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_training_controls_run_on_two_ranks(tmp_path):
+    """The controls block, appended to the quick start before it tears down."""
+    quick = _quick_start()
+    script = tmp_path / "controls.py"
+    script.write_text(quick.replace("dist.destroy_process_group()", _controls() + "dist.destroy_process_group()"))
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert sorted(re.findall(r"rank (\d): 4 microbatches, (\d+) reduce-scatters", run.stdout)) == [
+        ("0", "3"), ("1", "3")], run.stdout
+
+
 def test_quick_start_runs_on_two_ranks(tmp_path):
     script = tmp_path / "quickstart.py"
     script.write_text(_quick_start())
