@@ -36,6 +36,7 @@ _AC_FULL = "_fsdptag_ac_full"  # full AC: plain checkpoint where that keeps zero
 
 
 def _checkpointed_forward(cls: type) -> dict:
+    @functools.wraps(cls.forward)  # the user's signature: Trainer picks dataset columns by it
     def forward(self, *args, **kwargs):
         fn = functools.partial(cls.forward, self)
         if is_compiling():  # Note [Compiled gathers]

@@ -8,12 +8,17 @@ from __future__ import annotations
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._compat import fix_compiled_rng_states
 from ._api import BucketPolicy, DataParallelMode, MixedPrecisionPolicy, OverlapPolicy, ReshardPolicy
+from ._class_swap import register_kind
+from ._compat import fix_compiled_rng_states
+from ._hf import hf_root_methods
 from ._plan import plan_parametrization
-from ._state import attach, module_state
+from ._state import attach, module_state, root_methods
 
 __all__ = ["is_parametrized", "parametrize"]
+
+# The model root's generated class: its own methods and Hugging Face's (Note [Hugging Face Trainer])
+register_kind("Parametrized", lambda cls, key: root_methods(cls) | hf_root_methods(cls))
 
 
 def parametrize(

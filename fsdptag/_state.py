@@ -331,7 +331,7 @@ def _refuse_resize(self, *args, **kwargs):
     )
 
 
-def _root_methods(cls: type) -> dict:
+def root_methods(cls: type) -> dict:
     """The root's ``get_parameter`` returns stored parameters (Hugging Face's ``tie_weights``
     reads them that way); Hugging Face's ``resize_token_embeddings`` is refused."""
     methods = {"get_parameter": _get_parameter}
@@ -344,6 +344,7 @@ def _bucket_root_methods(cls: type) -> dict:
     """A ``forward`` run in a fresh gather scope of the module's buckets and an
     ``_apply`` (``to_empty``, ``to``) that rebinds their storage (Note [Bound storage])."""
 
+    @functools.wraps(cls.forward)  # the user's signature: Trainer picks dataset columns by it
     def forward(self, *args, **kwargs):
         if is_compiling():  # Note [Compiled buckets]: the buckets gathered up front, no scopes
             gathers = pregather_buckets(self.__dict__[_STATE].buckets)
@@ -364,7 +365,6 @@ def _bucket_root_methods(cls: type) -> dict:
     return {"forward": forward, "_apply": _apply}
 
 
-register_kind("Parametrized", lambda cls, key: _root_methods(cls))
 register_kind("FSDPTag", lambda cls, names: _param_properties(names))
 register_kind("Bucketed", lambda cls, key: _bucket_root_methods(cls))
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import os
 
 import pytest
 import torch
@@ -453,6 +454,58 @@ def _hf_names_and_saving(mesh, tmp):
     return out
 
 
+class _TokenDataset(torch.utils.data.Dataset):
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, i):
+        ids = torch.randint(0, 64, (16,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _hf_trainer(mesh, tmp):
+    """HF's Trainer on a parametrized model (zero2, gradient_checkpointing, 2 microbatches
+    per step) against the same Trainer wrapping a copy in DDP (accelerate's default)."""
+    rank, world = str(dist.get_rank()), str(dist.get_world_size())  # as torchrun sets them for accelerate
+    os.environ.update(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=world, LOCAL_WORLD_SIZE=world)
+
+    def train(model, out_dir):
+        args = transformers.TrainingArguments(
+            output_dir=out_dir, use_cpu=True, ddp_backend="gloo", gradient_checkpointing=True,
+            per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=3, logging_steps=1,
+            save_strategy="no", report_to=[], learning_rate=1e-2, max_grad_norm=1.0, seed=0,
+            disable_tqdm=True)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=_TokenDataset())
+        with CollectiveCounter(mesh) as cc:
+            trainer.train()
+        return trainer, cc, [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+    out = {}
+    for tie in (False, True):
+        reference = _hf_llama(tie)
+        model = _hf_llama(tie)
+        fsdptag.parametrize(model, mesh, reshard_after_forward=False)
+        trainer, cc, losses = train(model, os.path.join(tmp, f"trainer-{tie}"))
+        _, _, ddp_losses = train(reference, os.path.join(tmp, f"ddp-{tie}"))
+        name = "tied" if tie else "untied"
+        out[f"{name} losses"] = (losses, ddp_losses)
+        out[f"{name} counts"] = (cc.count("forward", "all_gather", fsdp_tagged=True),
+                                 cc.count("backward", "all_gather", fsdp_tagged=True),
+                                 cc.count("backward", "reduce_scatter"))
+        saved = os.path.join(tmp, f"saved-{tie}")
+        trainer.save_model(saved)
+        ids = _hf_batch(0, 0)[0]
+        logits = model(ids).logits
+        if dist.get_rank() == 0:
+            reloaded = transformers.LlamaForCausalLM.from_pretrained(saved)
+            trained = reference.module if hasattr(reference, "module") else reference
+            out[f"{name} reloaded"] = (torch.equal(reloaded(ids).logits, logits),
+                                       (reloaded(ids).logits - trained(ids).logits).abs().max().item(),
+                                       sorted(os.listdir(saved)))
+        dist.barrier()
+    return out
+
+
 def worker_hf(tmp):
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     dp_rank = mesh.get_local_rank()
@@ -460,6 +513,7 @@ def worker_hf(tmp):
         "hf parity": functools.partial(_hf_parity, mesh, dp_rank),
         "hf checkpointing": functools.partial(_hf_checkpointing, mesh, dp_rank),
         "hf names and saving": functools.partial(_hf_names_and_saving, mesh, tmp),
+        "hf trainer": functools.partial(_hf_trainer, mesh, tmp),
     })
 
 
@@ -504,6 +558,19 @@ zero3 hf + save_on_cpu: 3/3
 zero3 fsdptag full: 3/3
 zero3 fsdptag selective: 3/3
 zero3 save_on_cpu: 3/3""")
+
+
+def test_hf_trainer_trains_and_saves(hf):
+    """Note [Hugging Face Trainer]: Trainer neither wraps nor moves the model, accumulates
+    under its no_sync (one reduce-scatter per bucket per step, 3 buckets x 3 steps), keeps
+    zero2 under gradient_checkpointing, and save_model writes what from_pretrained reads."""
+    r = result(hf, "hf trainer")
+    for name in ("untied", "tied"):
+        losses, ddp_losses = r[f"{name} losses"]
+        assert len(losses) == 3 and losses == pytest.approx(ddp_losses, rel=1e-5), (name, losses, ddp_losses)
+        assert r[f"{name} counts"] == (3 * 2 * 3, 0, 3 * 3), (name, r[f"{name} counts"])
+        equal, vs_ddp, files = r[f"{name} reloaded"]
+        assert equal and vs_ddp < 1e-4 and "model.safetensors" in files, (name, r[f"{name} reloaded"])
 
 
 def test_hf_names_and_saving(hf):
