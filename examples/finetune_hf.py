@@ -11,9 +11,8 @@ The model comes from a small ``LlamaConfig`` (or ``--model-dir``, a local direct
 Each step prints loss and backward FSDP all-gathers (0 for zero2, also under
 ``activation_checkpointing_enable()``) on a progress bar. ``--checkpoint-dir`` saves
 model and optimizer with DCP every ``--checkpoint-every`` steps and resumes from the
-newest one; ``--save-pretrained`` writes a ``from_pretrained`` directory through a
-full state dict (the stored shards of one bucket share a buffer, which
-``save_pretrained`` would take for a tie).
+newest one; ``--save-pretrained`` writes a ``from_pretrained`` directory:
+``save_pretrained`` on every rank gathers the full state dict and writes it from rank 0.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ import os
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from tqdm import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -137,12 +136,9 @@ def main() -> None:
         print(f"final loss {loss.item():.4f}" if args.steps > start else "nothing to train")
 
     if args.save_pretrained:
-        with fsdptag.disable_active_parametrization():
-            full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        model.save_pretrained(args.save_pretrained)  # every rank: gathers the full state dict, rank 0 writes
         if rank == 0:
-            model.save_pretrained(args.save_pretrained, state_dict=full)
             print(f"saved {args.save_pretrained} (from_pretrained reads it)")
-        dist.barrier()
     dist.destroy_process_group()
 
 

@@ -39,12 +39,10 @@ def hf_root_methods(cls: type) -> dict:
         return {}
     methods = {"is_distributed_loading_by_transformers": property(lambda self: True),
                "save_pretrained": _save_pretrained(cls)}
-    if not hasattr(cls, "no_sync"):
-        methods["no_sync"] = lambda self: no_sync(self)
+    if not hasattr(cls, "no_sync"):  # both take the module first, as a method's self
+        methods["no_sync"] = no_sync
     if not hasattr(cls, "set_requires_gradient_sync"):
-        methods["set_requires_gradient_sync"] = (
-            lambda self, requires_gradient_sync, *, recurse=True:
-            set_requires_gradient_sync(self, requires_gradient_sync, recurse=recurse))
+        methods["set_requires_gradient_sync"] = set_requires_gradient_sync
     return methods
 
 
@@ -60,10 +58,8 @@ def _save_pretrained(cls: type):
                 return cls.save_pretrained(self, *args, **kwargs)
         with disable_active_parametrization():  # every rank gathers; rank 0 holds the result
             full = get_model_state_dict(self, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        writes = bound.arguments.get("is_main_process", True) and (
-            not dist.is_initialized() or dist.get_rank() == 0)
         out = None
-        if writes:
+        if self.should_save_on_this_rank(bound.arguments.get("is_main_process", True)):  # rank 0
             bound.arguments["state_dict"] = full
             out = cls.save_pretrained(*bound.args, **bound.kwargs)
         if dist.is_initialized():
