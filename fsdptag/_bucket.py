@@ -26,6 +26,10 @@ and gradients are all-reduced.
   (HSDP then one ``all_reduce`` over the replicate dim, DDP only that), averaging
   as FSDP2 does (Note [Gradient reduction] in ``_collectives.py``);
   each gradient is a view into the result, wrapped as a DTensor like its parameter.
+  Only the slots of parameters that require grad are packed: frozen weights beside
+  trainable adapters (LoRA) are gathered with the bucket but send no gradient, as
+  FSDP2 reduce-scatters only parameters with gradients (compiled buckets still
+  reduce the whole bucket, zeros included: Note [Compiled buckets]).
 
 The gather runs at the first access to any of the bucket's parameters inside the
 bucket root's ``forward`` and is reused by the rest of that call. The scope is
@@ -147,6 +151,7 @@ class Bucket:
         # Note [Accumulation without sync] in _sync.py
         self.requires_gradient_sync = True
         self.unsynced_grad: torch.Tensor | None = None  # (world, numel), in the reduce dtype
+        self.unsynced_needs: tuple[bool, ...] = ()  # which slots it holds (those requiring grad)
         # reshard_after_forward=k: Note [Partial reshard] in _partial.py
         self.partial = PartialReshard(partial, self.world, self.group_name) if partial else None
         register_live(self)
@@ -403,8 +408,9 @@ class _GatherBucket(torch.autograd.Function):
         ctx.specs = [p._spec for p in params]
         ctx.local_shapes = [p._local_tensor.shape for p in params]
         ctx.kept = None
+        node = ctx if any(p.requires_grad for p in params) else None  # frozen weights: no backward
         if reuse is not None:  # a recompute served from the forward's gather
-            bucket.keeper.adopt(reuse, ctx)
+            bucket.keeper.adopt(reuse, node)
             return tuple(unpad(bucket.world, slot, p) for slot, p in zip(bucket.slots, reuse.pieces))
         if not bucket.copies():  # DDP without a cast: aliases of the stored shards, no views,
             return tuple(p._local_tensor.detach() for p in params)  # so in place is as in DDP
@@ -432,7 +438,7 @@ class _GatherBucket(torch.autograd.Function):
         if tagged:  # compute gets plain tensors (Note [Marked handout] in _tag.py)
             pieces = [mark_gathered(p._elem, tag) for p, tag in zip(pieces, bucket.tag.parts)]
         if keep is not None:
-            bucket.keeper.keep(KeptGather(pieces, params, bucket.keeper), keep, ctx)
+            bucket.keeper.keep(KeptGather(pieces, params, bucket.keeper), keep, node)
         # views made here: autograd refuses in-place ops on them (grad on)
         return tuple(unpad(bucket.world, slot, p) for slot, p in zip(bucket.slots, pieces))
 
@@ -442,28 +448,43 @@ class _GatherBucket(torch.autograd.Function):
         if ctx.kept is not None:  # this bucket's backward: its kept gather is done with
             ctx.kept.release()
             ctx.kept = None
+        # Only parameters that require grad are reduced (frozen weights beside adapters
+        # send nothing, as in FSDP2): the reduce-scatter packs their slots alone.
+        needs = ctx.needs_input_grad[5:]
         some = next(g for g in grads if g is not None)
         grads = [  # a parameter of the bucket that this forward did not use gets zeros
             g if g is not None else some.new_zeros(slot.rows, *slot.rest)
-            for g, slot in zip(grads, bucket.slots)
+            for g, slot, need in zip(grads, bucket.slots, needs) if need
         ]
-        packed = grads[0].new_empty(bucket.world, bucket.numel, dtype=bucket.reduce_dtype or grads[0].dtype)
+        numel = bucket.numel if all(needs) else sum(s.numel for s, need in zip(bucket.slots, needs) if need)
+        packed = grads[0].new_empty(bucket.world, numel, dtype=bucket.reduce_dtype or grads[0].dtype)
         torch._chunk_cat(grads, dim=0, num_chunks=bucket.world, out=packed)
         if bucket.unsynced_grad is not None:  # Note [Accumulation without sync] in _sync.py
+            if bucket.unsynced_needs != needs:
+                bucket.unsynced_grad = None
+                raise RuntimeError(
+                    f"bucket {bucket.name!r}: which of its parameters require grad changed while "
+                    "gradients accumulated without sync; change requires_grad only after a backward "
+                    "that syncs (fsdptag.set_requires_gradient_sync(model, True))")
             packed = bucket.unsynced_grad.add_(packed)
             bucket.unsynced_grad = None
         if not bucket.requires_gradient_sync:
-            bucket.unsynced_grad = packed
-            return (None,) * (5 + len(grads))
+            bucket.unsynced_grad, bucket.unsynced_needs = packed, needs
+            return (None,) * (5 + len(needs))
         # in flight until first read (Note [Reductions in flight] in _collectives.py) unless
         # the cast to the parameters' dtype reads it now
-        lazy = all(spec.tensor_meta.dtype == packed.dtype for spec in ctx.specs)
+        reduced = [(slot, spec, shape, p) for slot, spec, shape, p, need
+                   in zip(bucket.slots, ctx.specs, ctx.local_shapes, bucket.stored(), needs) if need]
+        lazy = all(spec.tensor_meta.dtype == packed.dtype for _, spec, _, _ in reduced)
         local = bucket.root.reducer.reduce(packed.view(-1), bucket.reduction(packed.dtype),
-                                           bucket.stored(), lazy)
-        out = []
-        for slot, spec, shape in zip(bucket.slots, ctx.specs, ctx.local_shapes):
-            g = local.as_strided(shape, contiguous_strides(shape), slot.offset)
+                                           [p for *_, p in reduced], lazy)
+        out, offset = [], 0
+        for slot, spec, shape, _ in reduced:
+            g = local.as_strided(shape, contiguous_strides(shape), offset)
+            offset += slot.numel
             if g.dtype != spec.tensor_meta.dtype:
                 g = g.to(spec.tensor_meta.dtype)
             out.append(DTensor(g, spec, requires_grad=False))
+        out.reverse()
+        out = [out.pop() if need else None for need in needs]
         return (None, None, None, None, None, *out)

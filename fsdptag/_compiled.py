@@ -27,6 +27,9 @@ and cleared in the traced code). Where the gather runs:
   torchtitan's compile path does): the write is set and cleared within the traced
   forward, so not replaying it in the recompute loses nothing.
 
+The compiled backward reduces the whole bucket, frozen weights' zero gradients
+included (eager reduces only the parameters that require grad).
+
 Per compiled block graph: 1 all-gather in forward, zero2 0 and zero3 1 in backward,
 with AC none, selective, full or a plain checkpoint (``tests/test_compile.py`` pins
 five of those settings), where per-parameter gathers made 9.

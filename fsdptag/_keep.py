@@ -22,6 +22,9 @@ in a non-reentrant checkpoint      saved-tensor hooks active (not fsdptag's:   t
 in a reentrant checkpoint          grad off inside a root forward that         the bucket ("pinned"), until the
                                    started with grad on                        recompute's node takes it over, or
                                                                                the next root forward
+frozen weights (no parameter of    as above; the gather has no autograd        pinned, until the end of the
+the gather requires grad), in      node                                        backward whose recompute used it,
+either checkpoint                                                              or the next root forward
 outside regions, or in fsdptag's   (not kept: autograd or the policy saves     -
 selective-checkpoint policy        what backward needs)
 ================================  ==========================================  =================================
@@ -51,7 +54,7 @@ import torch
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._compat import contiguous_strides
+from ._compat import OncePerBackward, contiguous_strides
 from ._context import ZERO2, Zero2, gather_context
 from ._tag import FSDPTaggedTensor, get_fsdp_tag
 
@@ -88,11 +91,13 @@ class Keeper:
     def __init__(self, training_forward) -> None:
         self.training_forward = training_forward  # () -> whether a root forward began with grad on
         self.owned: list[weakref.ref[KeptGather]] = []  # held by forward nodes
-        self.pinned: list[KeptGather] = []  # held here (reentrant checkpoint's no-grad forward)
+        self.pinned: list[KeptGather] = []  # held here (reentrant checkpoint's no-grad forward, frozen weights)
+        self.served: list[KeptGather] = []  # pinned frozen gathers a recompute used in this backward
+        self._at_end = OncePerBackward()
 
     def __getstate__(self) -> dict:
         """Kept gathers live from a forward to its backward: none are pickled."""
-        return dict(self.__dict__, owned=[], pinned=[])
+        return dict(self.__dict__, owned=[], pinned=[], served=[], _at_end=OncePerBackward())
 
     def how_to_keep(self) -> Zero2 | None:
         """In a forward gather: ``KEEP_ON_NODE``, ``PIN``, or None where nothing needs
@@ -102,12 +107,10 @@ class Keeper:
 
     def keep(self, entry: KeptGather, how: Zero2, node) -> None:
         """``node``: the gather's autograd node, whose backward calls ``entry.release()``."""
-        if how is Zero2.KEEP_ON_NODE:
-            if node is None:  # nothing requires grad: no backward, nothing to keep for
-                return
+        if how is Zero2.KEEP_ON_NODE and node is not None:
             node.kept = entry
             self.owned.append(weakref.ref(entry))
-        else:
+        else:  # a reentrant checkpoint's no-grad forward, or frozen weights: no node to hold it
             self.pinned.append(entry)
 
     def find(self, params) -> KeptGather | None:
@@ -123,12 +126,19 @@ class Keeper:
 
     def adopt(self, entry: KeptGather, node) -> None:
         """The recompute's node holds ``entry`` now (a reentrant recompute's is backwarded)."""
-        if node is None:
+        if node is None:  # frozen weights: nothing reduces them; gone at this backward's end
+            self.served.append(entry)
+            self._at_end.queue(self._drop_served)
             return
         node.kept = entry
         if any(e is entry for e in self.pinned):
             self.pinned = [e for e in self.pinned if e is not entry]
             self.owned.append(weakref.ref(entry))
+
+    def _drop_served(self) -> None:
+        for entry in self.served:
+            self.forget(entry)
+        self.served = []
 
     def forget(self, entry: KeptGather) -> None:
         self.owned = [r for r in self.owned if r() is not None and r() is not entry]

@@ -45,6 +45,7 @@ from ._class_swap import register_kind, swap_class
 from ._collectives import Reducer
 from ._compat import OncePerBackward, apply_to_tensors, is_compiling
 from ._context import grad_mode_trains, running_backward
+from ._keep import Keeper
 from ._param import Handouts, ParamGather, flags
 from ._prefetch import Prefetcher
 from ._reshard import SavedTensorHooks
@@ -65,6 +66,7 @@ class RootState:
         self.cast_dtype = mp.param_dtype if mp.cast_forward_inputs else None
         self.handles: list[RemovableHandle] = []  # every hook fsdptag registered on the model
         self.buckets: list[Bucket] = []
+        self.keepers: list[Keeper] = []
         self._errors_at_entry: list = []  # the exception being handled when forward began
         self._training: list[bool] = []  # per open root forward: began with grad on
         # ((graph task, bucket, kept gather), gathered parameters) of the latest scope-less
@@ -91,6 +93,8 @@ class RootState:
     def install(self, root: nn.Module, params: dict[str, ParamGather], buckets: list[Bucket]) -> None:
         """Register the root's hooks (``params``: every stored parameter by FQN)."""
         self.buckets = buckets
+        self.keepers = [k for k in [b.keeper for b in buckets] + [g.keeper for g in params.values()]
+                        if k is not None]  # zero2 gathers kept for recomputes, unpinned per forward
         if self.prefetcher is not None and not buckets:
             self.prefetcher = None  # nothing to prefetch
         if self.prefetcher is not None:
@@ -114,9 +118,8 @@ class RootState:
         self._errors_at_entry.append(sys.exc_info()[1])
         self._training.append(grad_mode_trains())
         if not running_backward():
-            for b in self.buckets:
-                if b.keeper is not None:
-                    b.keeper.unpin()
+            for keeper in self.keepers:
+                keeper.unpin()
         self.handouts.open()
         if self.prefetcher is not None:
             self.prefetcher.pre_forward()

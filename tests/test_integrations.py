@@ -338,9 +338,16 @@ def _hf_loss(model, ids):
     return F.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten())
 
 
-def _hf_train(model, dp_rank, *, reference: bool = False):
+def _hf_train(model, dp_rank, *, reference: bool = False, counter=None):
+    """``counter``: a CollectiveCounter entered around the steps (not the final gather)."""
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     losses = []
+    with counter if counter is not None else contextlib.nullcontext():
+        _hf_steps(model, dp_rank, optim, losses, reference)
+    return losses, models.full_params(model)
+
+
+def _hf_steps(model, dp_rank, optim, losses, reference):
     for step in range(HF_STEPS):
         full, mine = _hf_batch(step, dp_rank)
         if reference:  # the mean over both ranks' halves; report this rank's half
@@ -353,7 +360,6 @@ def _hf_train(model, dp_rank, *, reference: bool = False):
             losses.append(loss.item())
         optim.step()
         optim.zero_grad()
-    return losses, models.full_params(model)
 
 
 def _hf_parity(mesh, dp_rank):
@@ -506,6 +512,63 @@ def _hf_trainer(mesh, tmp):
     return out
 
 
+def _hf_lora_model(frozen_block: bool = False):
+    """PEFT's LoRA on the HF Llama (q/v adapters of rank 3: lora_A's rows shard unevenly
+    on 2 ranks); ``frozen_block``: block 0 wholly frozen."""
+    from peft import LoraConfig, get_peft_model
+
+    base = _hf_llama()
+    torch.manual_seed(1)  # nonzero adapters (gaussian init), so frozen weights get input grads
+    model = get_peft_model(base, LoraConfig(r=3, lora_alpha=6, target_modules=["q_proj", "v_proj"],
+                                            lora_dropout=0.0, init_lora_weights="gaussian"))
+    if frozen_block:
+        base.model.layers[0].requires_grad_(False)
+    base.activation_checkpointing_enable()
+    return model
+
+
+def _hf_lora(mesh, dp_rank):
+    """LoRA under HF checkpointing: fsdptag vs one device and vs FSDP2, counts and bytes."""
+    from torch.distributed.fsdp import fully_shard
+
+    out = {}
+    for frozen_block in (False, True):
+        ref_losses, ref_params = _hf_train(_hf_lora_model(frozen_block), dp_rank, reference=True)
+        for reshard in (False, True):
+            theirs = _hf_lora_model(frozen_block)
+            for _, block in find_blocks(theirs):
+                fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+            fully_shard(theirs, mesh=mesh, reshard_after_forward=reshard)
+            cc = CollectiveCounter(mesh)
+            fsdp2_losses, fsdp2_params = _hf_train(theirs, dp_rank, counter=cc)
+            out[f"{'frozen block ' if frozen_block else ''}zero{3 if reshard else 2} FSDP2"] = (
+                cc.count("forward", "all_gather") // HF_STEPS, cc.count("backward", "all_gather") // HF_STEPS,
+                cc.count("backward", "reduce_scatter") // HF_STEPS,
+                sum(e.nbytes for e in cc.events if e.kind == "reduce_scatter") // HF_STEPS)
+            for bucket in ("blocks", "param"):
+                model = _hf_lora_model(frozen_block)
+                initial = models.full_params(model)
+                fsdptag.parametrize(model, mesh, reshard_after_forward=reshard, bucket=bucket)
+                trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+                cc = CollectiveCounter(mesh)
+                losses, params = _hf_train(model, dp_rank, counter=cc)
+                name = f"{'frozen block ' if frozen_block else ''}zero{3 if reshard else 2} {bucket}"
+                out[name] = {
+                    "vs one device": (max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
+                                      models.max_rel_diff(params, ref_params)),
+                    "vs FSDP2": (max(abs(a - b) / abs(b) for a, b in zip(losses, fsdp2_losses)),
+                                 models.max_rel_diff(params, fsdp2_params)),
+                    "frozen changed": [n for n in params if n not in trainable
+                                       and not torch.equal(params[n], initial[n])],
+                    "trainable": len(trainable),
+                    "ag": (cc.count("forward", "all_gather", fsdp_tagged=True) // HF_STEPS,
+                           cc.count("backward", "all_gather", fsdp_tagged=True) // HF_STEPS),
+                    "rs": (cc.count("backward", "reduce_scatter") // HF_STEPS,
+                           sum(e.nbytes for e in cc.events if e.kind == "reduce_scatter") // HF_STEPS),
+                }
+    return out
+
+
 def worker_hf(tmp):
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     dp_rank = mesh.get_local_rank()
@@ -514,6 +577,7 @@ def worker_hf(tmp):
         "hf checkpointing": functools.partial(_hf_checkpointing, mesh, dp_rank),
         "hf names and saving": functools.partial(_hf_names_and_saving, mesh, tmp),
         "hf trainer": functools.partial(_hf_trainer, mesh, tmp),
+        "hf lora": functools.partial(_hf_lora, mesh, dp_rank),
     })
 
 
@@ -578,3 +642,37 @@ def test_hf_names_and_saving(hf):
     assert r["get_parameter"] == "DTensor" and r["still tied"], r
     assert "call it before fsdptag.parametrize" in r["resize"], r
     assert r["reloaded logits equal"], r
+
+
+def test_hf_lora(hf):
+    """PEFT LoRA (frozen base weights beside q/v adapters) under HF checkpointing: losses
+    and parameters equal to one device, frozen weights unchanged, zero2 never re-gathers
+    (with bucket="param" too: a frozen weight gathered alone has no autograd node to keep
+    its gather, Note [zero2 kept until backward]), zero3 once per bucket, and only the
+    adapters are reduce-scattered, as by FSDP2."""
+    r = result(hf, "hf lora")
+    rows = []
+    for name, v in r.items():
+        if name.endswith("FSDP2"):
+            rows.append(f"{name}: ag {v[0]}/{v[1]}, rs {v[2]} x, {v[3]} B")
+            continue
+        loss, params = v["vs one device"]
+        assert loss <= 1e-6 and params <= 1e-5, (name, v)
+        if name.endswith("blocks"):  # FSDP2 gathers and reduces as these buckets do
+            assert v["vs FSDP2"] == (0.0, 0.0), (name, v)
+        assert v["frozen changed"] == [], (name, v)
+        rows.append(f"{name}: trainable {v['trainable']}, ag {v['ag'][0]}/{v['ag'][1]}, "
+                    f"rs {v['rs'][0]} x, {v['rs'][1]} B")
+    assert_expected_inline("\n".join(rows), """\
+zero2 FSDP2: ag 3/0, rs 2 x, 3200 B
+zero2 blocks: trainable 8, ag 3/0, rs 2 x, 3200 B
+zero2 param: trainable 8, ag 33/0, rs 8 x, 3200 B
+zero3 FSDP2: ag 3/3, rs 2 x, 3200 B
+zero3 blocks: trainable 8, ag 3/3, rs 2 x, 3200 B
+zero3 param: trainable 8, ag 33/32, rs 8 x, 3200 B
+frozen block zero2 FSDP2: ag 3/0, rs 1 x, 1600 B
+frozen block zero2 blocks: trainable 4, ag 3/0, rs 1 x, 1600 B
+frozen block zero2 param: trainable 4, ag 33/0, rs 4 x, 1600 B
+frozen block zero3 FSDP2: ag 3/3, rs 1 x, 1600 B
+frozen block zero3 blocks: trainable 4, ag 3/3, rs 1 x, 1600 B
+frozen block zero3 param: trainable 4, ag 33/32, rs 4 x, 1600 B""")

@@ -97,6 +97,39 @@ def test_per_block_and_unsynced_memory(fake_pg):
     assert all(p.grad is not None for p in model.layers[0].parameters())
 
 
+def test_frozen_weights_send_no_gradient(fake_pg):
+    """Only parameters that require grad are reduce-scattered (Note [Buckets]): a bucket
+    packs their slots alone, with or without sync; changing which ones require grad
+    while gradients accumulate unsynced is refused."""
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    model = make_net(n_layers=2)
+    for name, p in model.named_parameters():  # everything but the blocks' linear biases
+        p.requires_grad_(name.startswith("layers.") and name.endswith("bias") and "norm" not in name)
+    fsdptag.parametrize(model, mesh)
+    tokens = torch.randint(0, 34, (2, 6))
+    from fsdptag._state import module_state
+    buckets = [b for m in model.modules() if (st := module_state(m)) is not None for b in st.buckets]
+    trainable = sum(2 * slot.numel * 4 for b in buckets for slot, g in zip(b.slots, b.params)
+                    if g.fqn.endswith("bias") and "norm" not in g.fqn)
+    for microbatches in (1, 3):
+        with CollectiveCounter(mesh) as cc:
+            with fsdptag.no_sync(model):
+                for _ in range(microbatches - 1):
+                    model(tokens).sum().backward()
+            model(tokens).sum().backward()
+        rs = [e for e in cc.events if e.kind == "reduce_scatter"]
+        assert (len(rs), sum(e.nbytes for e in rs)) == (2, trainable), (microbatches, rs)
+        assert all((p.grad is not None) == p.requires_grad for p in model.parameters())
+        model.zero_grad()
+    with fsdptag.no_sync(model):
+        model(tokens).sum().backward()
+    model.layers[0].fc1._parameters["weight"].requires_grad_(True)
+    with pytest.raises(RuntimeError, match="change requires_grad only after a backward that syncs"):
+        model(tokens).sum().backward()
+    model(tokens).sum().backward()  # what accumulated was dropped with the error: syncs afresh
+    assert model.layers[0].fc1._parameters["weight"].grad is not None
+
+
 def test_bad_input(fake_pg):
     mesh = init_device_mesh("cpu", (2,))
     with pytest.raises(ValueError, match="not parametrized: call fsdptag.parametrize"):
