@@ -519,7 +519,8 @@ def measure_step(model, tokens: torch.Tensor, mesh: DeviceMesh | None = None,
     Persistent state (parameters, a warm AdamW state) exists before the step, as
     in steady-state training, and counts towards the peak.
     """
-    params = list(model.parameters())
+    stored = list(model.parameters())
+    params = [p for p in stored if p.requires_grad]  # frozen weights: no gradient, no AdamW state
     optim = torch.optim.AdamW(params, lr=1e-4, foreach=False)
     key = OptimizerReuse.signature(params) if reuse is not None else None
     known = reuse.known.get(key) if reuse is not None else None
@@ -535,9 +536,9 @@ def measure_step(model, tokens: torch.Tensor, mesh: DeviceMesh | None = None,
     # A real process group's thread releases collective buffers on its own time: settle.
     tracker = LiveStorageTracker(track_inputs=True, track_peak=True,
                                  settle_collectives=not isinstance(tokens, FakeTensor))
-    tracker.track_existing(params + state)
+    tracker.track_existing(stored + state)
     counter = CollectiveCounter(mesh if mesh is not None else
-                                list({p.device_mesh: None for p in params if isinstance(p, DTensor)}))
+                                list({p.device_mesh: None for p in stored if isinstance(p, DTensor)}))
     flops = _StepFlops()
     # Cyclic GC would free some buffers at times that vary from run to run (it runs on
     # allocation counts, and the collectives' threads allocate too); paused, frees
@@ -576,7 +577,7 @@ def measure_step(model, tokens: torch.Tensor, mesh: DeviceMesh | None = None,
         gc.enable()
     return {
         "peak_bytes": tracker.peak_bytes,
-        "param_bytes": sum(_local_bytes(p) for p in params),
+        "param_bytes": sum(_local_bytes(p) for p in stored),
         "gathered_param_bytes": kept.get("fsdp", 0),
         "grad_bytes": grad_bytes,
         "unsynced_grad_bytes": unsynced,

@@ -3,6 +3,8 @@ runs at small scale, for the built-in Llama, a factory and a transformers config
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 
 import pytest
@@ -192,10 +194,23 @@ MODEL_CASES = [  # (model, tp, reshard_after_forward, ac, policy): world 2
     ("llama3-debug", 2, False, "selective", "tagged"),
     ("hf", 1, False, "selective", "tagged"),
     ("hf", 2, True, "full", "tagged"),
+    ("llama3-debug frozen", 1, False, "selective", "tagged"),
 ]
+
+TRAINABLE = ("attention.wq.weight", "attention.wv.weight")  # the rest frozen, as for LoRA's base
+
+
+def _frozen(build):
+    model = build()
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.endswith(TRAINABLE))
+    return model
 
 
 def _spec(model: str, hf_config: str | None) -> est.ModelSpec:
+    if model == "llama3-debug frozen":
+        spec = est.builtin_model("llama3-debug", SEQ)
+        return dataclasses.replace(spec, name=model, build=functools.partial(_frozen, spec.build))
     return est.builtin_model(model, SEQ) if model != "hf" else est.hf_config_model(hf_config, seq_len=SEQ)
 
 
@@ -247,6 +262,16 @@ def test_any_model_estimate_matches_real_run(real_models, case):
         assert 0 <= e.peak_bytes - measured["peak_bytes"] <= 0.05 * measured["peak_bytes"], (e, measured)
     else:
         assert e.peak_bytes == measured["peak_bytes"], (e, measured)
+    if model.endswith("frozen"):  # frozen weights: no gradient, no AdamW state, nothing reduced
+        (full,) = est.estimate("llama3-debug", 2, tp=tp, reshard_after_forward=reshard, ac=ac, seq_len=SEQ,
+                               policies=(policy,))
+        trainable = [p for n, p in _frozen(est.builtin_model("llama3-debug", SEQ).build).named_parameters()
+                     if p.requires_grad]
+        shard_bytes = sum(-(-p.shape[0] // 2) * p[0].numel() * p.element_size() for p in trainable)
+        assert e.grad_bytes == shard_bytes and e.param_bytes == full.param_bytes, (e, full)
+        assert e.optimizer_bytes == 2 * shard_bytes + 4 * len(trainable), e  # exp_avg, exp_avg_sq, step
+        assert e.fsdp_reduce_scatter_bytes == 2 * shard_bytes, e
+        assert e.fsdp_all_gather_bytes == full.fsdp_all_gather_bytes, (e, full)
 
 
 def test_cli_any_model(tmp_path, capsys):

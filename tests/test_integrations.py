@@ -17,6 +17,7 @@ from expecttest import assert_expected_inline
 from torch.autograd.graph import save_on_cpu
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 import fsdptag
@@ -487,23 +488,27 @@ def _hf_trainer(mesh, tmp):
         return trainer, cc, [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
     out = {}
-    for tie in (False, True):
-        reference = _hf_llama(tie)
-        model = _hf_llama(tie)
+    makes = {"untied": _hf_llama, "tied": lambda: _hf_llama(tie=True), "lora": _hf_lora_model}
+    for name, make in makes.items():
+        reference = make()
+        model = make()
         fsdptag.parametrize(model, mesh, reshard_after_forward=False)
-        trainer, cc, losses = train(model, os.path.join(tmp, f"trainer-{tie}"))
-        _, _, ddp_losses = train(reference, os.path.join(tmp, f"ddp-{tie}"))
-        name = "tied" if tie else "untied"
+        trainer, cc, losses = train(model, os.path.join(tmp, f"trainer-{name}"))
+        _, _, ddp_losses = train(reference, os.path.join(tmp, f"ddp-{name}"))
         out[f"{name} losses"] = (losses, ddp_losses)
         out[f"{name} counts"] = (cc.count("forward", "all_gather", fsdp_tagged=True),
                                  cc.count("backward", "all_gather", fsdp_tagged=True),
                                  cc.count("backward", "reduce_scatter"))
-        saved = os.path.join(tmp, f"saved-{tie}")
+        saved = os.path.join(tmp, f"saved-{name}")
         trainer.save_model(saved)
         ids = _hf_batch(0, 0)[0]
         logits = model(ids).logits
         if dist.get_rank() == 0:
-            reloaded = transformers.LlamaForCausalLM.from_pretrained(saved)
+            if name == "lora":  # the adapters alone, onto a fresh base model
+                from peft import PeftModel
+                reloaded = PeftModel.from_pretrained(_hf_llama(), saved)
+            else:
+                reloaded = transformers.LlamaForCausalLM.from_pretrained(saved)
             trained = reference.module if hasattr(reference, "module") else reference
             out[f"{name} reloaded"] = (torch.equal(reloaded(ids).logits, logits),
                                        (reloaded(ids).logits - trained(ids).logits).abs().max().item(),
@@ -569,6 +574,73 @@ def _hf_lora(mesh, dp_rank):
     return out
 
 
+class _CountingOffload(save_on_cpu):
+    """``save_on_cpu`` (pin_memory=False: pinned memory needs an accelerator) that also
+    counts the bytes it copies to host, split into parameters (``params``: storages of
+    a model's parameters) and everything else."""
+
+    def __init__(self, totals: collections.Counter, params=(), **_):
+        super().__init__(pin_memory=False)
+        inner = self.pack_hook
+        storages = {p.untyped_storage().data_ptr() for p in params}
+
+        def pack(t):
+            param = t.untyped_storage().data_ptr() in storages
+            totals["parameter" if param else "activation"] += t.numel() * t.element_size()
+            return inner(t)
+
+        self.pack_hook = pack
+
+
+def _hf_offload(mesh, dp_rank):
+    """Bytes ``save_on_cpu`` copies to host per step: fsdptag vs FSDP2 vs one device (its
+    activations: what it packs that is not a parameter), fp32, with HF's own
+    ``offload=True`` (its ``save_on_cpu`` made to count) and a user's whole-forward offload.
+    fsdptag's losses and gradients vs the same run without offload."""
+    import transformers.modeling_utils as hf_modeling
+    from torch.distributed.fsdp import fully_shard
+
+    out = {}
+    ids = _hf_batch(0, dp_rank)[1]
+    settings = {"hf offload=True": (True, False), "whole forward": (False, True),
+                "whole forward + hf checkpointing": (True, True)}
+    real = hf_modeling.save_on_cpu
+    try:
+        for name, (hf_ac, whole) in settings.items():
+            for impl in ("one device", "fsdptag zero2", "fsdptag zero3", "FSDP2 zero2", "FSDP2 zero3"):
+                results = {}
+                for offload in (False, True):
+                    model = _hf_llama()
+                    params = list(model.parameters()) if impl == "one device" else ()
+                    reshard = impl.endswith("zero3")
+                    if impl.startswith("fsdptag"):
+                        fsdptag.parametrize(model, mesh, reshard_after_forward=reshard)
+                    elif impl.startswith("FSDP2"):
+                        for _, block in find_blocks(model):
+                            fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+                        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+                    totals = collections.Counter()
+                    hf_modeling.save_on_cpu = functools.partial(_CountingOffload, totals, params)
+                    if hf_ac:
+                        model.activation_checkpointing_enable(offload=offload)
+                    wrap = _CountingOffload(totals, params) if whole and offload else contextlib.nullcontext()
+                    with CollectiveCounter(mesh) as cc:
+                        with wrap:
+                            loss = _hf_loss(model, ids)
+                        loss.backward()
+                    grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+                             for n, p in model.named_parameters()}
+                    results[offload] = (loss.item(), grads, dict(totals),
+                                        cc.count("backward", "all_gather"))
+                (l0, g0, _, _), (l1, g1, packed, bwd_ag) = results[False], results[True]
+                out[f"{name}: {impl}"] = {
+                    "packed": packed, "bwd ag": bwd_ag,
+                    "bitwise": l0 == l1 and all(torch.equal(g0[k], g1[k]) for k in g0)}
+    finally:
+        hf_modeling.save_on_cpu = real
+    return out
+
+
 def worker_hf(tmp):
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     dp_rank = mesh.get_local_rank()
@@ -578,6 +650,7 @@ def worker_hf(tmp):
         "hf names and saving": functools.partial(_hf_names_and_saving, mesh, tmp),
         "hf trainer": functools.partial(_hf_trainer, mesh, tmp),
         "hf lora": functools.partial(_hf_lora, mesh, dp_rank),
+        "hf offload": functools.partial(_hf_offload, mesh, dp_rank),
     })
 
 
@@ -629,12 +702,15 @@ def test_hf_trainer_trains_and_saves(hf):
     under its no_sync (one reduce-scatter per bucket per step, 3 buckets x 3 steps), keeps
     zero2 under gradient_checkpointing, and save_model writes what from_pretrained reads."""
     r = result(hf, "hf trainer")
-    for name in ("untied", "tied"):
+    for name in ("untied", "tied", "lora"):
         losses, ddp_losses = r[f"{name} losses"]
         assert len(losses) == 3 and losses == pytest.approx(ddp_losses, rel=1e-5), (name, losses, ddp_losses)
-        assert r[f"{name} counts"] == (3 * 2 * 3, 0, 3 * 3), (name, r[f"{name} counts"])
+        # LoRA: the root's bucket (embeddings, norm, head) is frozen: nothing to reduce
+        reductions = 2 * 3 if name == "lora" else 3 * 3
+        assert r[f"{name} counts"] == (3 * 2 * 3, 0, reductions), (name, r[f"{name} counts"])
         equal, vs_ddp, files = r[f"{name} reloaded"]
-        assert equal and vs_ddp < 1e-4 and "model.safetensors" in files, (name, r[f"{name} reloaded"])
+        written = "adapter_model.safetensors" if name == "lora" else "model.safetensors"
+        assert equal and vs_ddp < 1e-4 and written in files, (name, r[f"{name} reloaded"])
 
 
 def test_hf_names_and_saving(hf):
@@ -676,3 +752,40 @@ frozen block zero2 param: trainable 4, ag 33/0, rs 4 x, 1600 B
 frozen block zero3 FSDP2: ag 3/3, rs 1 x, 1600 B
 frozen block zero3 blocks: trainable 4, ag 3/3, rs 1 x, 1600 B
 frozen block zero3 param: trainable 4, ag 33/32, rs 4 x, 1600 B""")
+
+
+def test_hf_offload_packs_activations_only(hf):
+    """Note [Whose saved-tensor hooks] in fsdptag/_context.py: under ``save_on_cpu`` (HF's
+    ``offload=True`` and a user's whole-forward use) fsdptag's gathered parameters never
+    go to host: it packs exactly what one device packs that is not a parameter, while
+    FSDP2 packs its unsharded parameters too wherever weights are saved outside a
+    checkpoint region; fsdptag's losses and gradients are bitwise those of the run
+    without offload."""
+    r = result(hf, "hf offload")
+    rows = []
+    for name, v in r.items():
+        setting, impl = name.split(": ")
+        packed = sum(v["packed"].values())
+        if impl == "one device":
+            activations = v["packed"].get("activation", 0)
+            rows.append(f"{name}: {packed} B (activations {activations}, parameters {packed - activations})")
+            continue
+        if impl.startswith("fsdptag"):
+            assert v["bitwise"] and packed == activations, (name, v, activations)
+        rows.append(f"{name}: {packed} B, bwd ag {v['bwd ag']}")
+    assert_expected_inline("\n".join(rows), """\
+hf offload=True: one device: 6144 B (activations 6144, parameters 0)
+hf offload=True: fsdptag zero2: 6144 B, bwd ag 0
+hf offload=True: fsdptag zero3: 6144 B, bwd ag 3
+hf offload=True: FSDP2 zero2: 6144 B, bwd ag 0
+hf offload=True: FSDP2 zero3: 6144 B, bwd ag 3
+whole forward: one device: 252596 B (activations 170036, parameters 82560)
+whole forward: fsdptag zero2: 170036 B, bwd ag 0
+whole forward: fsdptag zero3: 170036 B, bwd ag 3
+whole forward: FSDP2 zero2: 252596 B, bwd ag 0
+whole forward: FSDP2 zero3: 252596 B, bwd ag 3
+whole forward + hf checkpointing: one device: 38580 B (activations 30260, parameters 8320)
+whole forward + hf checkpointing: fsdptag zero2: 30260 B, bwd ag 0
+whole forward + hf checkpointing: fsdptag zero3: 30260 B, bwd ag 3
+whole forward + hf checkpointing: FSDP2 zero2: 38580 B, bwd ag 0
+whole forward + hf checkpointing: FSDP2 zero3: 38580 B, bwd ag 3""")

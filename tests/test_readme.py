@@ -8,6 +8,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 README = pathlib.Path(__file__).parent.parent / "README.md"
 
 
@@ -21,6 +23,26 @@ def _controls() -> str:
     text = README.read_text()
     section = text[text.index("## FSDP2's training controls"):]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def _lora() -> str:
+    text = README.read_text()
+    section = text[text.index("## Hugging Face: LoRA"):]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_lora_trainer_runs_on_two_ranks(tmp_path):
+    pytest.importorskip("peft")  # the test extra pins it
+    script = tmp_path / "lora.py"
+    script.write_text(_lora())
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert sorted(re.findall(r"rank (\d): backward FSDP all-gathers (\d+), (\d+) reduce-scatters, (\d+) B",
+                             run.stdout)) == [("0", "0", "6", "43008"), ("1", "0", "6", "43008")], run.stdout
+    assert (tmp_path / "out" / "final" / "adapter_model.safetensors").exists()
 
 
 def test_training_controls_run_on_two_ranks(tmp_path):
