@@ -3,6 +3,7 @@
 from ._api import ACMode, DataParallelMode, MixedPrecisionPolicy, OverlapPolicy, ReshardPolicy
 from ._ac import apply_ac
 from ._checkpoint import DEFAULT_SAVE_OPS, checkpoint_context_fn, checkpoint_policy
+from ._hf import TrainerCheckpointMixin
 from ._param import disable_active_parametrization
 from ._parametrize import is_parametrized, parametrize
 from ._schedule import (UnshardHandle, reshard, set_modules_to_backward_prefetch, set_modules_to_forward_prefetch,
@@ -32,6 +33,7 @@ __all__ = [
     "set_modules_to_backward_prefetch",
     "set_modules_to_forward_prefetch",
     "set_requires_gradient_sync",
+    "TrainerCheckpointMixin",
     "unshard",
     "UnshardHandle",
 ]

@@ -28,8 +28,8 @@ and gradients are all-reduced.
   each gradient is a view into the result, wrapped as a DTensor like its parameter.
   Only the slots of parameters that require grad are packed: frozen weights beside
   trainable adapters (LoRA) are gathered with the bucket but send no gradient, as
-  FSDP2 reduce-scatters only parameters with gradients (compiled buckets still
-  reduce the whole bucket, zeros included: Note [Compiled buckets]).
+  FSDP2 reduce-scatters only parameters with gradients (compiled buckets too:
+  Note [Compiled buckets]).
 
 The gather runs at the first access to any of the bucket's parameters inside the
 bucket root's ``forward`` and is reused by the rest of that call. The scope is

@@ -27,8 +27,12 @@ and cleared in the traced code). Where the gather runs:
   torchtitan's compile path does): the write is set and cleared within the traced
   forward, so not replaying it in the recompute loses nothing.
 
-The compiled backward reduces the whole bucket, frozen weights' zero gradients
-included (eager reduces only the parameters that require grad).
+The compiled backward reduces only the slots of parameters that require grad, as
+eager does: frozen weights beside trainable ones (LoRA) send nothing. Their columns
+of the gathered gradient (one ``(world, numel)`` row per rank, slots side by side)
+are left out of the reduce-scatter input, so it holds what eager's ``_chunk_cat`` of
+the trainable gradients packs, and the frozen slots of the returned shard gradient
+are zeros (autograd drops them: those parameters need no gradient).
 
 Per compiled block graph: 1 all-gather in forward, zero2 0 and zero3 1 in backward,
 with AC none, selective, full or a plain checkpoint (``tests/test_compile.py`` pins
@@ -70,21 +74,38 @@ def _gather_in_graph(bucket: Bucket, *params: DTensor) -> tuple[torch.Tensor, ..
         g.check_compilable()
     flat = pack([p.to_local() for p in params], bucket.slots)  # to_local's backward makes the DTensor grad
     gathered = _BucketCollectives.apply(flat, bucket.world, bucket.group_name, bucket.replicas,
-                                        bucket.replicate_group, bucket.param_dtype, bucket.reduce_dtype)
+                                        bucket.replicate_group, bucket.param_dtype, bucket.reduce_dtype,
+                                        _runs(bucket, [p.requires_grad for p in params]))
     split = copy_out(gathered, bucket.world, bucket.numel, bucket.split_sizes)
     return tuple(g.on_tp_mesh(unpad(bucket.world, slot, piece))
                  for g, slot, piece in zip(bucket.params, bucket.slots, split))
 
 
+def _runs(bucket: Bucket, needs: list[bool]) -> tuple[tuple[int, int, bool], ...] | None:
+    """The bucket's per-rank buffer as runs ``(offset, numel, requires grad)`` of
+    neighbouring slots alike; None when every slot requires grad."""
+    if all(needs):
+        return None
+    runs: list[list] = []
+    for slot, need in zip(bucket.slots, needs):
+        if runs and runs[-1][2] == need:
+            runs[-1][1] += slot.numel
+        else:
+            runs.append([slot.offset, slot.numel, need])
+    return tuple(tuple(r) for r in runs)
+
+
 class _BucketCollectives(torch.autograd.Function):
     """Compiled buckets' collectives: cast + all-gather in forward; in backward the
-    gradient in ``reduce_dtype``, reduced by eager's ``reduce_gradient``."""
+    gradient of the trainable slots in ``reduce_dtype``, reduced by eager's
+    ``reduce_gradient`` (Note [Compiled buckets])."""
 
     @staticmethod
-    def forward(ctx, flat, world, group, replicas, replicate_group, param_dtype, reduce_dtype):
+    def forward(ctx, flat, world, group, replicas, replicate_group, param_dtype, reduce_dtype, runs):
         ctx.world, ctx.group, ctx.replicas, ctx.replicate_group = world, group, replicas, replicate_group
         ctx.in_dtype = flat.dtype
         ctx.reduce_dtype = reduce_dtype
+        ctx.runs = runs
         if param_dtype is not None and param_dtype != flat.dtype:
             flat = flat.to(param_dtype)
         if world > 1:
@@ -93,15 +114,25 @@ class _BucketCollectives(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        runs = ctx.runs
+        if runs is not None:  # the trainable columns alone (a copy)
+            rows = grad.reshape(ctx.world, -1)
+            grad = torch.cat([rows[:, at:at + n] for at, n, need in runs if need], dim=1).view(-1)
         if ctx.reduce_dtype is not None and grad.dtype != ctx.reduce_dtype:
             grad = grad.to(ctx.reduce_dtype)
-        else:
+        elif runs is None:
             grad = grad.clone()  # averaged in place below
         grad = reduce_gradient(grad, gradient_reduction(ctx.world, ctx.group, ctx.replicas, ctx.replicate_group,
                                                         grad.dtype))
+        if runs is not None:  # the frozen slots' zeros back in place
+            pieces, at = [], 0
+            for _, n, need in runs:
+                pieces.append(grad[at:at + n] if need else grad.new_zeros(n))
+                at += n if need else 0
+            grad = torch.cat(pieces)
         if grad.dtype != ctx.in_dtype:
             grad = grad.to(ctx.in_dtype)
-        return grad, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None
 
 
 # Every live bucket, so that the first compile anywhere unbinds them all (Note [Bound

@@ -15,8 +15,8 @@ one (every rank takes part, only rank 0 keeps it, on CPU) and rank 0, the one ra
 Hugging Face writes from, saves it through the model's own ``save_pretrained``. A
 state dict of the stored shards could not be saved as is: one bucket's shards share
 a buffer, which ``save_pretrained`` takes for tied weights. ``Trainer`` cannot save a
-self-sharded model's optimizer state (it asks for ``save_only_model=True``); resume
-with DCP (``examples/finetune_hf.py``).
+self-sharded model's optimizer state (it asks for ``save_only_model=True``):
+``TrainerCheckpointMixin`` (Note [Trainer checkpoints]) gives it that.
 
 PEFT's ``PeftModel`` around a transformers model (LoRA) gets the same: ``Trainer``
 reads the flag from the model it is handed, and PEFT's own ``save_pretrained`` writes
@@ -27,16 +27,22 @@ the adapters alone, so only the entries PEFT picks from the state dict are gathe
 from __future__ import annotations
 
 import inspect
+import os
 import sys
 
+import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor
 
 from ._param import disable_active_parametrization
+from ._state import is_parametrized
 from ._sync import no_sync, set_requires_gradient_sync
 
-__all__ = ["hf_root_methods"]
+__all__ = ["TrainerCheckpointMixin", "hf_root_methods"]
 
 
 def _is_peft(cls: type) -> bool:
@@ -125,3 +131,91 @@ def _save_adapters(cls: type):
         "through PEFT's ``save_pretrained`` (Note [Hugging Face Trainer] in fsdptag/_hf.py).")
     save_pretrained.__signature__ = signature
     return save_pretrained
+
+
+# Note [Trainer checkpoints]
+# --------------------------
+# ``Trainer`` saves a checkpoint (``checkpoint-N/``) as the model's ``save_pretrained``,
+# then, unless ``save_only_model``, the optimizer and scheduler, the per-rank RNG states
+# and ``trainer_state.json``; ``train(resume_from_checkpoint=...)`` reads them back. Its
+# optimizer file is ``torch.save`` of rank 0's ``state_dict()``: rank 0's shards only, so
+# for a model that holds its own sharding ``Trainer.__init__`` refuses (``save_only_model
+# =True`` or ``save_strategy="no"``). The mixin saves what resuming needs as a DCP
+# checkpoint instead (``checkpoint-N/fsdptag_dcp/``: the model's and the optimizer's
+# sharded state dicts, every rank writing its own shards, as FSDP2 under accelerate's
+# SHARDED_STATE_DICT), and reads the model and the optimizer from it on resume; the
+# scheduler, scaler, RNG states and trainer state stay Trainer's own files. For the one
+# check that refuses, ``Trainer.__init__`` runs with ``save_only_model`` set and the
+# user's value is restored when it returns. ``save_pretrained``'s files stay in the
+# checkpoint (``from_pretrained(checkpoint-N)`` reads them) and the best model
+# (``load_best_model_at_end``) is read from the DCP checkpoint too. A model that is not
+# parametrized gets Trainer's own behaviour.
+
+DCP_DIR = "fsdptag_dcp"
+SCHEDULER_NAME = "scheduler.pt"  # transformers.trainer's name for it
+
+
+class TrainerCheckpointMixin:
+    """Mix in before ``transformers.Trainer`` (or any subclass, e.g. TRL's) to checkpoint
+    and resume a parametrized model with its optimizer state (Note [Trainer checkpoints])::
+
+        class Trainer(fsdptag.TrainerCheckpointMixin, transformers.Trainer):
+            pass
+    """
+
+    def __init__(self, *args, **kwargs):
+        init = super().__init__
+        bound = inspect.signature(init).bind_partial(*args, **kwargs)
+        training_args = bound.arguments.get("args")
+        model = bound.arguments.get("model")
+        refused = (training_args is not None and model is not None and is_parametrized(model)
+                   and not training_args.save_only_model)
+        if refused:
+            training_args.save_only_model = True
+        try:
+            init(*args, **kwargs)
+        finally:
+            if refused:
+                training_args.save_only_model = False
+
+    def _sharded(self) -> bool:
+        return is_parametrized(self.model)
+
+    def _torch_optimizer(self) -> torch.optim.Optimizer:
+        return getattr(self.optimizer, "optimizer", self.optimizer)  # inside accelerate's wrapper
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if not self._sharded():
+            return super()._save_optimizer_and_scheduler(output_dir)
+        with disable_active_parametrization():
+            state = {"model": get_model_state_dict(self.model), "optim": get_optimizer_state_dict(self.model, self._torch_optimizer())}
+        dcp.save(state, checkpoint_id=os.path.join(output_dir, DCP_DIR))
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_dcp_model(self, checkpoint: str) -> None:
+        with disable_active_parametrization():
+            state = {"model": get_model_state_dict(self.model)}
+            dcp.load(state, checkpoint_id=os.path.join(checkpoint, DCP_DIR))
+            set_model_state_dict(self.model, state["model"])
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        if not self._sharded() or not os.path.isdir(os.path.join(resume_from_checkpoint, DCP_DIR)):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        self._load_dcp_model(resume_from_checkpoint)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None or not self._sharded() or not os.path.isdir(os.path.join(checkpoint, DCP_DIR)):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        optimizer = self._torch_optimizer()
+        with disable_active_parametrization():
+            state = {"optim": get_optimizer_state_dict(self.model, optimizer)}
+            dcp.load(state, checkpoint_id=os.path.join(checkpoint, DCP_DIR))
+            set_optimizer_state_dict(self.model, optimizer, state["optim"])
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+
+    def _load_best_model(self) -> None:
+        best = self.state.best_model_checkpoint
+        if not self._sharded() or not os.path.isdir(os.path.join(best, DCP_DIR)):
+            return super()._load_best_model()
+        self._load_dcp_model(best)

@@ -13,7 +13,7 @@ from ._class_swap import register_kind
 from ._compat import fix_compiled_rng_states
 from ._hf import hf_root_methods
 from ._plan import plan_parametrization
-from ._state import attach, module_state, root_methods
+from ._state import attach, is_parametrized, root_methods
 
 __all__ = ["is_parametrized", "parametrize"]
 
@@ -93,7 +93,3 @@ def parametrize(
     fix_compiled_rng_states()  # Note [Compiled checkpoint, DeviceMesh saved] in _compat.py
     return model
 
-
-def is_parametrized(module: nn.Module) -> bool:
-    """True when ``module`` (or any submodule) went through ``fsdptag.parametrize``."""
-    return any(module_state(m) is not None for m in module.modules())

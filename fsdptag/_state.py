@@ -50,7 +50,8 @@ from ._param import Handouts, ParamGather, flags
 from ._prefetch import Prefetcher
 from ._reshard import SavedTensorHooks
 
-__all__ = ["ModuleState", "RootState", "drop_pregathered", "make_bucket_root", "module_state", "pregather"]
+__all__ = ["ModuleState", "RootState", "drop_pregathered", "is_parametrized", "make_bucket_root", "module_state",
+           "pregather"]
 
 _STATE = "_fsdptag"  # a parametrized module's ModuleState, in its __dict__
 
@@ -179,6 +180,11 @@ class ModuleState:
 def module_state(module: nn.Module) -> ModuleState | None:
     """``module``'s fsdptag state, or None when parametrize did not touch it."""
     return module.__dict__.get(_STATE)
+
+
+def is_parametrized(module: nn.Module) -> bool:
+    """True when ``module`` (or any submodule) went through ``fsdptag.parametrize``."""
+    return any(module_state(m) is not None for m in module.modules())
 
 
 def pregather(block: nn.Module) -> list[ParamGather]:

@@ -181,6 +181,65 @@ def _fsdp2_parity(mesh, dp_rank):
     return out
 
 
+def _frozen(mesh, dp_rank):
+    """Frozen weights beside trainable ones (wq, wk, w1 of every block, as LoRA leaves a
+    block's base weights): the compiled backward reduce-scatters the trainable slots
+    alone, the bytes eager sends, and trains bitwise equal to eager (aot_eager, whole)."""
+    def build(reshard, freeze=True):
+        torch.manual_seed(0)
+        model = Llama(CFG)
+        model.init_weights()
+        if freeze:
+            for block in model.layers:
+                for linear in (block.attention.wq, block.attention.wk, block.feed_forward.w1):
+                    linear.weight.requires_grad_(False)
+        fsdptag.parametrize(model, mesh, reshard_after_forward=reshard)
+        return model
+
+    def train(model):
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        optim = torch.optim.AdamW(trainable, lr=1e-2)
+        losses = []
+        for step in range(3):
+            tokens = _tokens(dp_rank + 2 * step)
+            loss = F.cross_entropy(model(tokens).float().flatten(0, 1), tokens.flatten())
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            losses.append(loss.item())
+        return losses, [p.to_local().clone() for p in model.parameters()]
+
+    def graph_bytes(counts):
+        def compile_graph(gm, example_inputs):
+            for node in gm.graph.nodes:
+                if node.op == "call_function" and "reduce_scatter_tensor" in str(node.target):
+                    val = node.args[0].meta["val"]
+                    counts["reduce-scatter bytes"] += val.numel() * val.element_size()
+            return gm.forward
+
+        return aot_autograd(fw_compiler=lambda gm, _: gm.forward, bw_compiler=compile_graph,
+                            partition_fn=min_cut_rematerialization_partition)
+
+    out = {}
+    tokens = _tokens(dp_rank)
+    for reshard in (False, True):
+        eager_bytes = {}
+        for freeze in (False, True):
+            with CollectiveCounter(mesh) as cc:
+                F.cross_entropy(build(reshard, freeze)(tokens).float().flatten(0, 1), tokens.flatten()).backward()
+            eager_bytes[freeze] = sum(e.nbytes for e in cc.events if e.kind == "reduce_scatter")
+        eager_losses, eager_params = train(build(reshard))
+        torch._dynamo.reset()
+        counts = collections.Counter()
+        model = torch.compile(build(reshard), backend=graph_bytes(counts))
+        losses, params = train(model)
+        bitwise = losses == eager_losses and all(torch.equal(a, b) for a, b in zip(params, eager_params))
+        out[f"zero{3 if reshard else 2}"] = (
+            f"{'bitwise' if bitwise else 'DIFFER'}, reduce-scatter bytes per step: eager {eager_bytes[True]} "
+            f"(all trainable {eager_bytes[False]}), compiled {counts['reduce-scatter bytes']}")
+    return out
+
+
 def _hf_checkpointing(mesh, dp_rank):
     """transformers' LlamaForCausalLM with its own ``activation_checkpointing_enable()``
     and ``layer.compile()`` per decoder layer, as a Hugging Face user would: losses
@@ -260,6 +319,7 @@ def worker():
         "TP": functools.partial(_tp, dp_rank),
         "hf checkpointing": functools.partial(_hf_checkpointing, mesh, dp_rank),
         "fsdp2 parity": functools.partial(_fsdp2_parity, mesh, dp_rank),
+        "frozen": functools.partial(_frozen, mesh, dp_rank),
     })
 
 
@@ -311,3 +371,11 @@ def test_tp_compiles_with_the_whole_model(results):
     # eager: 6 in forward, 9 in backward (5 for the gradients, 4 recomputed).
     assert r["compiled TP all-gathers"] == r["eager TP all-gathers"] == "6/9", r
     assert "compile the whole model instead: torch.compile(model)" in r["blocks"], r
+
+
+def test_compiled_buckets_reduce_trainable_slots_only(results):
+    """Note [Compiled buckets]: frozen weights send no gradient in compiled code either."""
+    rows = result(results, "frozen")
+    assert_expected_inline("\n".join(f"{k}: {v}" for k, v in rows.items()), """\
+zero2: bitwise, reduce-scatter bytes per step: eager 56448 (all trainable 82048), compiled 56448
+zero3: bitwise, reduce-scatter bytes per step: eager 56448 (all trainable 82048), compiled 56448""")

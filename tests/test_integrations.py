@@ -517,6 +517,52 @@ def _hf_trainer(mesh, tmp):
     return out
 
 
+def _hf_trainer_resume(mesh, tmp):
+    """Note [Trainer checkpoints]: a Trainer with fsdptag.TrainerCheckpointMixin runs 4
+    optimizer steps saving every 2 (optimizer state included); a fresh model and Trainer
+    resumed from checkpoint-2 run steps 3-4 as the uninterrupted run did."""
+    rank, world = str(dist.get_rank()), str(dist.get_world_size())
+    os.environ.update(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=world, LOCAL_WORLD_SIZE=world)
+
+    class Trainer(fsdptag.TrainerCheckpointMixin, transformers.Trainer):
+        pass
+
+    def train(model, out_dir, resume=None):
+        args = transformers.TrainingArguments(
+            output_dir=out_dir, use_cpu=True, ddp_backend="gloo", gradient_checkpointing=True,
+            per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=4, logging_steps=1,
+            save_strategy="steps", save_steps=2, report_to=[], learning_rate=1e-2, max_grad_norm=1.0, seed=0,
+            disable_tqdm=True)
+        trainer = Trainer(model=model, args=args, train_dataset=_TokenDataset())
+        with CollectiveCounter(mesh) as cc:
+            trainer.train(resume_from_checkpoint=resume)
+        logs = [(h["step"], h["loss"], h["learning_rate"], h["grad_norm"])
+                for h in trainer.state.log_history if "loss" in h]
+        return args, logs, cc.count("backward", "all_gather", fsdp_tagged=True)
+
+    out = {}
+    for name, make in {"untied": _hf_llama, "lora": _hf_lora_model}.items():
+        model = make()
+        fsdptag.parametrize(model, mesh, reshard_after_forward=False)
+        args, logs, backward_gathers = train(model, os.path.join(tmp, f"resume-{name}"))
+        checkpoint = os.path.join(tmp, f"resume-{name}", "checkpoint-2")
+        resumed = make()
+        fsdptag.parametrize(resumed, mesh, reshard_after_forward=False)
+        _, resumed_logs, _ = train(resumed, os.path.join(tmp, f"resumed-{name}"), resume=checkpoint)
+        stored = dict(resumed.named_parameters())
+        out[name] = {
+            "save_only_model": args.save_only_model,
+            "files": sorted(os.listdir(checkpoint)),
+            "steps": [row[0] for row in logs],
+            "resumed logs equal": [row for row in logs if row[0] > 2] == [row for row in resumed_logs if row[0] > 2],
+            "resumed steps": [row[0] for row in resumed_logs if row[0] > 2],
+            "params equal": all(torch.equal(p.to_local(), stored[n].to_local())
+                                for n, p in model.named_parameters()),
+            "backward gathers": backward_gathers,
+        }
+    return out
+
+
 def _hf_lora_model(frozen_block: bool = False):
     """PEFT's LoRA on the HF Llama (q/v adapters of rank 3: lora_A's rows shard unevenly
     on 2 ranks); ``frozen_block``: block 0 wholly frozen."""
@@ -649,6 +695,7 @@ def worker_hf(tmp):
         "hf checkpointing": functools.partial(_hf_checkpointing, mesh, dp_rank),
         "hf names and saving": functools.partial(_hf_names_and_saving, mesh, tmp),
         "hf trainer": functools.partial(_hf_trainer, mesh, tmp),
+        "hf trainer resume": functools.partial(_hf_trainer_resume, mesh, tmp),
         "hf lora": functools.partial(_hf_lora, mesh, dp_rank),
         "hf offload": functools.partial(_hf_offload, mesh, dp_rank),
     })
@@ -711,6 +758,21 @@ def test_hf_trainer_trains_and_saves(hf):
         equal, vs_ddp, files = r[f"{name} reloaded"]
         written = "adapter_model.safetensors" if name == "lora" else "model.safetensors"
         assert equal and vs_ddp < 1e-4 and written in files, (name, r[f"{name} reloaded"])
+
+
+def test_hf_trainer_resumes(hf):
+    """Note [Trainer checkpoints]: with TrainerCheckpointMixin, Trainer saves the optimizer
+    state of a parametrized model (DCP, every rank its shards) and a resumed run's steps
+    (losses, learning rates, grad norms, final parameters) equal the uninterrupted run's."""
+    r = result(hf, "hf trainer resume")
+    for name, v in r.items():
+        assert v["save_only_model"] is False, (name, v)  # the user's value, back after __init__
+        assert v["steps"] == [1, 2, 3, 4] and v["resumed steps"] == [3, 4], (name, v)
+        assert v["resumed logs equal"] and v["params equal"], (name, v)
+        assert v["backward gathers"] == 0, (name, v)
+        written = "adapter_model.safetensors" if name == "lora" else "model.safetensors"
+        for f in ("fsdptag_dcp", "scheduler.pt", "trainer_state.json", "rng_state_0.pth", written):
+            assert f in v["files"], (name, f, v["files"])
 
 
 def test_hf_names_and_saving(hf):

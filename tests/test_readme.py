@@ -43,6 +43,7 @@ def test_lora_trainer_runs_on_two_ranks(tmp_path):
     assert sorted(re.findall(r"rank (\d): backward FSDP all-gathers (\d+), (\d+) reduce-scatters, (\d+) B",
                              run.stdout)) == [("0", "0", "6", "43008"), ("1", "0", "6", "43008")], run.stdout
     assert (tmp_path / "out" / "final" / "adapter_model.safetensors").exists()
+    assert (tmp_path / "out" / "checkpoint-2" / "fsdptag_dcp").is_dir()  # TrainerCheckpointMixin's save
 
 
 def test_training_controls_run_on_two_ranks(tmp_path):
