@@ -1,5 +1,5 @@
-"""The README's quick start, copied out of the README and run as its user would:
-``torchrun --nproc-per-node 2 quickstart.py``."""
+"""The README's quick start and docs/usage.md's LoRA + ``Trainer`` script, copied out
+and run as their user would: ``torchrun --nproc-per-node 2 quickstart.py``."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import sys
 import pytest
 
 README = pathlib.Path(__file__).parent.parent / "README.md"
+USAGE = README.parent / "docs" / "usage.md"
 
 
 def _quick_start() -> str:
@@ -26,8 +27,8 @@ def _controls() -> str:
 
 
 def _lora() -> str:
-    text = README.read_text()
-    section = text[text.index("## Hugging Face: LoRA"):]
+    text = USAGE.read_text()
+    section = text[text.index("### LoRA with `Trainer`, runnable"):]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
