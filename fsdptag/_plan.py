@@ -109,7 +109,7 @@ def _validate(model, mesh, mode, reshard_after_forward, mp_policy, shard_dim, bu
         raise TypeError(f"mp_policy must be fsdptag.MixedPrecisionPolicy, got {type(mp).__name__}")
     if not isinstance(shard_dim, int) or isinstance(shard_dim, bool) or shard_dim < 0:
         raise ValueError(f"shard_dim={shard_dim!r} must be a non-negative int")
-    reshard_of = _reshard_resolver(model, reshard_after_forward)
+    reshard_of = reshard_resolver(model, reshard_after_forward)
     is_root = _bucket_roots(bucket, model)
     # A module apply_ac checkpointed is a bucket root too (Note [Checkpointed bucket roots]).
     roots = {fqn: m for fqn, m in model.named_modules()
@@ -248,7 +248,7 @@ def _reshard_value(value, where: str):
                     "after forward)")
 
 
-def _reshard_resolver(model: nn.Module, policy: ReshardPolicy) -> Callable[[str, nn.Module], bool | int]:
+def reshard_resolver(model: nn.Module, policy: ReshardPolicy) -> Callable[[str, nn.Module], bool | int]:
     if isinstance(policy, (bool, int)):
         policy = _reshard_value(policy, "reshard_after_forward")
         return lambda fqn, module: policy

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from expecttest import assert_expected_inline
 
-from fsdptag import estimate as est
+from fsdptag.tools import estimate as est
 from fsdptag.testing.llama import CONFIGS, Llama
 
 from .harness import launch

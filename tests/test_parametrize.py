@@ -1134,7 +1134,7 @@ def _partial_reshard(mesh, r):
     """Note [Partial reshard]: ``reshard_after_forward=2`` on 4 ranks trains bitwise like
     zero3, re-gathers in backward over 2-rank groups, and keeps for backward more than
     zero3 and less than zero2."""
-    from fsdptag import estimate as est
+    from fsdptag.tools import estimate as est
 
     out = {}
     for ac in ("none", "selective", "full"):

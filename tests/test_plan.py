@@ -13,8 +13,8 @@ import torch.distributed as dist
 from expecttest import assert_expected_inline
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fsdptag import estimate as est
-from fsdptag import plan as planner
+from fsdptag.tools import estimate as est
+from fsdptag.tools import plan as planner
 from fsdptag.testing.llama import CONFIGS, Llama
 
 from .harness import launch

@@ -1,6 +1,7 @@
-"""Fixtures for fsdptag's tests, benchmarks, example and estimator; not library API.
+"""Fixtures for fsdptag's tests, benchmarks and example; not library API.
 
-* ``llama``: the Llama 3 model and its TP plan.
+* ``llama``, ``baselines``: re-exported from :mod:`fsdptag.tools` (the estimator's
+  reference model and comparison policies).
 * ``launch``: run a function on N local gloo ranks.
-* ``baselines``: the policies fsdptag is compared against (op-name, no fix).
+* ``slow_link``: an emulated slow link for the overlap benchmark.
 """

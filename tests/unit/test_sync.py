@@ -151,7 +151,7 @@ def test_bad_input(fake_pg):
 def test_tensor_parallel_reduces_once(fake_pg):
     """FSDP x TP (the built-in Llama's Megatron plan, dp 2 x tp 2): the data-parallel
     reductions happen once per step; TP collectives run in every microbatch."""
-    from fsdptag import estimate as est
+    from fsdptag.tools import estimate as est
 
     mesh = est.build_mesh("cpu", 4, 2, 1)
     spec = est.builtin_model("llama3-debug", 16)

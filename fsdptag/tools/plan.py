@@ -1,0 +1,423 @@
+"""Which zero / AC / TP setting fits, and what it costs: ``python -m fsdptag.plan``.
+
+    python -m fsdptag.plan --model llama3-8b --world-size 64 --memory 80GiB [--tp 1,2,4,8] [--batch 1] \\
+        [--ac none,layer,selective,full] [--bandwidth 50GB/s] [--tp-bandwidth 450GB/s] \\
+        [--device-flops 400T] [--plot out.png] [--json out.json] [--all]
+
+Every combination of zero2 / zero3 (and zero3 with the last block and the root's own
+parameters kept gathered, where that helps: zero2 does not fit, zero3 does), AC
+none / layer / selective / full, each TP degree and batch is estimated with
+:mod:`fsdptag.estimate` (rank 0's step on fake tensors, fsdptag's tagged policy,
+bf16 parameters / fp32 reduction, AdamW). What does not fit in ``--memory`` is
+dropped; the Pareto set of peak memory vs. the time proxy is printed fastest first:
+the first row is the recommendation, followed by the calls that set it up.
+Models: as ``python -m fsdptag.estimate`` (``--model``, ``--hf-config``, ``--tp-plan``).
+
+Note [Time proxy]
+-----------------
+A rank's step takes at least ``comm_s + compute_s`` (no overlap assumed, so the proxy
+ranks configurations rather than predicting a step time):
+
+* ``comm_s``: the bytes each rank sends in the step's collectives (ring algorithms:
+  an all-gather or reduce-scatter of ``B`` bytes over ``n`` ranks sends
+  ``B (n-1)/n``, an all-reduce twice that), data-parallel ones over ``--bandwidth``
+  (default 50 GB/s per GPU: one 400 Gb/s NIC per GPU, between nodes), TP ones over
+  ``--tp-bandwidth`` (default 450 GB/s: NVLink within a node, TP <= 8), and the
+  backward re-gathers of ``reshard_after_forward=k`` (``--partial-reshard k``, rows
+  "zero3@k") over k-rank groups over ``--partial-bandwidth`` (default 450 GB/s: a
+  group within a node);
+* ``compute_s``: forward + backward + recompute FLOPs over ``--device-flops``
+  (default 400 TFLOP/s: ~40% of an H100's / H200's dense bf16 peak).
+
+Configurations are compared by GPU time per token, ``step_s * tp / (batch * seq)``:
+a TP group of ``tp`` GPUs spends ``step_s`` on ``batch`` sequences.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import json
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Sequence
+
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.device_mesh import DeviceMesh
+
+from .._blocks import find_blocks
+from .estimate import (AC_MODES, MemoryEstimate, ModelSpec, StepConfig, add_model_args, complete_spec,
+                       estimate_each, model_spec, spec_from_args)
+
+__all__ = ["ZERO_MODES", "Candidate", "Plan", "Rates", "Row", "format_plan", "keep_last_policy", "parse_bytes", "plan",
+           "time_proxy"]
+
+ZERO_MODES = ("zero2", "zero3", "zero3-keep-last", "zero3@k")
+_AC_CALLS = {
+    "none": None,
+    "full": 'fsdptag.apply_ac(model, "full")',
+    "selective": 'fsdptag.apply_ac(model, "selective")',
+    "layer": 'fsdptag.apply_ac(model, "selective", layer_every=2)',
+}
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What the time proxy divides by (Note [Time proxy]), per GPU."""
+
+    bandwidth: float = 50e9  # bytes/s, data-parallel collectives
+    tp_bandwidth: float = 450e9  # bytes/s, TP collectives
+    partial_bandwidth: float = 450e9  # bytes/s, partial reshard's k-group re-gathers (within a node)
+    device_flops: float = 400e12  # FLOP/s
+
+
+@dataclass(frozen=True)
+class Candidate:
+    zero: str  # one of ZERO_MODES
+    ac: str  # one of AC_MODES
+    tp: int
+    batch: int  # sequences per data-parallel rank
+
+
+@dataclass
+class Row:
+    candidate: Candidate
+    estimate: MemoryEstimate
+    comm_s: float
+    compute_s: float
+    fits: bool
+    pareto: bool = False
+
+    @property
+    def step_s(self) -> float:
+        return self.comm_s + self.compute_s
+
+    @property
+    def us_per_token(self) -> float:
+        """GPU microseconds per token: the comparison key (Note [Time proxy])."""
+        e = self.estimate
+        return 1e6 * self.step_s * e.tp / (e.batch * e.seq_len)
+
+
+@dataclass
+class Plan:
+    model: str
+    world_size: int
+    memory_bytes: int
+    rates: Rates
+    rows: list[Row]  # every configuration estimated, in the order run
+    skipped: list[str] = field(default_factory=list)  # TP degrees that could not run, and why
+    keep_last: dict[str, bool] | None = None  # zero3-keep-last's reshard_after_forward
+    tp_plan: str | None = None  # the TP plan's qualified name
+
+    @property
+    def pareto(self) -> list[Row]:
+        """The configurations that fit and that nothing beats in both memory and time, fastest first."""
+        return sorted((r for r in self.rows if r.pareto), key=_speed)
+
+    @property
+    def recommended(self) -> Row | None:
+        front = self.pareto
+        return front[0] if front else None
+
+
+def _speed(r: Row) -> tuple[float, int]:
+    return (r.us_per_token, r.estimate.peak_bytes)
+
+
+def _ring(n: int) -> float:
+    return (n - 1) / n
+
+
+def time_proxy(e: MemoryEstimate, rates: Rates = Rates()) -> tuple[float, float]:
+    """``(comm_s, compute_s)`` of one estimated step (Note [Time proxy])."""
+    shard = e.world_size // e.tp // e.hsdp_replicas
+    dp_bytes = ((e.fsdp_all_gather_bytes + e.fsdp_reduce_scatter_bytes) * _ring(shard)
+                + 2 * e.fsdp_all_reduce_bytes * _ring(e.hsdp_replicas) + e.other_collective_bytes)
+    tp_bytes = (e.tp_all_gather_bytes + e.tp_reduce_scatter_bytes + 2 * e.tp_all_reduce_bytes) * _ring(e.tp)
+    ks = [v for v in (e.reshard_after_forward.values() if isinstance(e.reshard_after_forward, dict)
+                      else [e.reshard_after_forward]) if not isinstance(v, bool) and v > 1]
+    partial_bytes = e.fsdp_partial_all_gather_bytes * _ring(max(ks, default=1))
+    comm = dp_bytes / rates.bandwidth + tp_bytes / rates.tp_bandwidth + partial_bytes / rates.partial_bandwidth
+    return comm, (e.forward_flops + e.backward_flops + e.recompute_flops) / rates.device_flops
+
+
+def keep_last_policy(model: nn.Module) -> dict[str, bool]:
+    """zero3-keep-last's ``reshard_after_forward``: zero3, but the last block (backward
+    starts with it) and the modules outside blocks (the output projection: backward's
+    first gather) stay gathered, as FSDP2 and torchtitan do by default."""
+    blocks = find_blocks(model)
+    inside = {fqn for fqn, _ in blocks}
+    outside = [fqn for fqn, m in model.named_modules()
+               if fqn and any(True for _ in m.parameters(recurse=False))
+               and not any(fqn == b or fqn.startswith(b + ".") for b in inside)]
+    return {"": True, **({blocks[-1][0]: False} if blocks else {}), **dict.fromkeys(outside, False)}
+
+
+def _reshard(zero: str, keep_last: dict[str, bool] | None):
+    if zero.startswith("zero3@"):  # partial reshard over k ranks (Note [Partial reshard])
+        return int(zero.removeprefix("zero3@"))
+    return {"zero2": False, "zero3": True}.get(zero, keep_last)
+
+
+def plan(model: str | ModelSpec | Callable[[], nn.Module], world_size: int, memory_bytes: int, *,
+         tp: Sequence[int] = (1,), batch: Sequence[int] = (1,), ac: Sequence[str] = AC_MODES,
+         rates: Rates = Rates(), seq_len: int | None = None,
+         tp_plan: Callable[[nn.Module, DeviceMesh], None] | None = None,
+         progress: Callable[[Row], None] | None = None, partial: Sequence[int] = ()) -> Plan:
+    """Estimate every configuration (module docstring) and mark the Pareto set.
+    ``partial``: k values of ``reshard_after_forward=k`` to try ("zero3@k") where zero3
+    fits and zero2 does not.
+
+    A TP degree whose estimate raises ``ValueError`` (no TP plan, heads not divisible,
+    world size not divisible) is skipped with the reason in ``Plan.skipped``.
+
+    Example::
+
+        >>> p = plan("llama3-8b", 64, parse_bytes("80GiB"), tp=(1, 2, 4, 8))
+        >>> p.recommended.candidate
+        Candidate(zero='zero2', ac='none', tp=2, batch=1)
+    """
+    _check(world_size, memory_bytes, tp, batch, ac)
+    spec = complete_spec(model_spec(model, seq_len=seq_len, tp_plan=tp_plan))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        keep_last = keep_last_policy(spec.build())
+    result = Plan(spec.name, world_size, memory_bytes, rates, [], keep_last=keep_last)
+    for degree in tp:
+        try:
+            result.rows += _sweep(spec, result, degree, batch, ac, progress, partial)
+        except ValueError as e:
+            result.skipped.append(f"tp={degree}: {e}")
+            continue
+        if degree > 1 and result.tp_plan is None:
+            fn = complete_spec(spec, True).tp_plan
+            result.tp_plan = f"{fn.__module__}.{fn.__qualname__}"
+    _mark_pareto(result.rows)
+    return result
+
+
+def _check(world_size: int, memory_bytes: int, tp, batch, ac) -> None:
+    if not tp or any(not isinstance(t, int) or t < 1 for t in tp):
+        raise ValueError(f"tp={list(tp)!r}: pass TP degrees >= 1, e.g. --tp 1,2,4,8")
+    if not batch or any(not isinstance(b, int) or b < 1 for b in batch):
+        raise ValueError(f"batch={list(batch)!r}: pass sequences per data-parallel rank >= 1, e.g. --batch 1,2")
+    unknown = [a for a in ac if a not in AC_MODES]
+    if not ac or unknown:
+        raise ValueError(f"ac={list(ac)!r}: use some of {AC_MODES}")
+    if memory_bytes <= 0 or world_size < 1:
+        raise ValueError(f"memory={memory_bytes} B, world_size={world_size}: both must be positive")
+
+
+def _sweep(spec: ModelSpec, p: Plan, tp: int, batches, acs, progress, partial=()) -> list[Row]:
+    """zero2 and zero3 for every (AC, batch) at one TP degree, then zero3-keep-last where
+    it can be on the Pareto set: zero2 (faster, no backward gathers) does not fit, zero3 does."""
+    def run(candidates: list[Candidate]) -> list[Row]:
+        configs = [StepConfig(c.tp, 1, _reshard(c.zero, p.keep_last), c.ac, "bf16", c.batch, "tagged")
+                   for c in candidates]
+        rows = []
+        for c, e in zip(candidates, estimate_each(spec, p.world_size, configs) if configs else ()):
+            comm, compute = time_proxy(e, p.rates)
+            rows.append(Row(c, e, comm, compute, e.peak_bytes <= p.memory_bytes))
+            if progress is not None:
+                progress(rows[-1])
+        return rows
+
+    rows = run([Candidate(z, a, tp, b) for b in batches for a in acs for z in ("zero2", "zero3")])
+    fits = {(r.candidate.zero, r.candidate.ac, r.candidate.batch): r.fits for r in rows}
+    shard = p.world_size // tp
+    ks = [k for k in partial if 1 < k < shard and shard % k == 0]  # others: not a partial reshard here
+    return rows + run([Candidate(z, a, tp, b) for b in batches for a in acs
+                       if fits[("zero3", a, b)] and not fits[("zero2", a, b)]
+                       for z in ("zero3-keep-last", *(f"zero3@{k}" for k in ks))])
+
+
+def _mark_pareto(rows: list[Row]) -> None:
+    lowest = None
+    for r in sorted((r for r in rows if r.fits), key=_speed):
+        if lowest is None or r.estimate.peak_bytes < lowest:
+            r.pareto, lowest = True, r.estimate.peak_bytes
+
+
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "p": 10**15,
+          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_bytes(text: str, unit: str = "B") -> float:
+    """``"80GiB"`` -> 85899345920, ``"50GB/s"`` (``unit="B/s"``) -> 5e10, ``"400T"`` -> 4e14."""
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([kmgtpKMGTP]i?)?\s*(" + re.escape(unit) + r"|FLOPS|FLOP/s)?\s*", text)
+    try:
+        value = float(m.group(1)) * _UNITS[(m.group(2) or "").lower()] if m else None
+    except ValueError:
+        value = None
+    if value is None or value <= 0:
+        raise ValueError(f"cannot read {text!r}; write a positive number with an optional unit, e.g. "
+                         f"80GiB, 50GB/s, 400T")
+    return value
+
+
+def _flops(n: float) -> str:
+    for unit, scale in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} FLOP"
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _label(c: Candidate) -> str:
+    return f"{c.zero} {c.ac} TP{c.tp} b{c.batch}"
+
+
+def format_rows(rows: list[Row]) -> str:
+    head = ("| # | zero | AC | TP | batch | peak | FSDP collectives | TP collectives | compute (recompute) | "
+            "comm ms | compute ms | GPU-us/token |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for i, r in enumerate(rows, 1):
+        c, e = r.candidate, r.estimate
+        fsdp = (e.fsdp_all_gather_bytes + e.fsdp_reduce_scatter_bytes + e.fsdp_all_reduce_bytes)
+        tp = e.tp_all_gather_bytes + e.tp_reduce_scatter_bytes + e.tp_all_reduce_bytes
+        flops = e.forward_flops + e.backward_flops + e.recompute_flops
+        lines.append(f"| {i} | {c.zero} | {c.ac} | {c.tp} | {c.batch} | {_size(e.peak_bytes)} | {_size(fsdp)} | "
+                     f"{_size(tp)} | {_flops(flops)} ({_flops(e.recompute_flops)}) | {1e3 * r.comm_s:.4g} | "
+                     f"{1e3 * r.compute_s:.4g} | {r.us_per_token:.4g} |")
+    return "\n".join(lines)
+
+
+def calls(p: Plan, r: Row) -> str:
+    """The setup of row ``r``: mesh, TP plan, ``parametrize``, ``apply_ac``."""
+    c = r.candidate
+    dp = p.world_size // c.tp
+    if c.tp > 1:
+        lines = [f'mesh = init_device_mesh("cuda", ({dp}, {c.tp}), mesh_dim_names=("dp", "tp"))',
+                 f'{p.tp_plan}(model, mesh["tp"])']
+    else:
+        lines = [f'mesh = init_device_mesh("cuda", ({dp},), mesh_dim_names=("dp",))']
+    reshard = _reshard(c.zero, p.keep_last)
+    lines.append(f"fsdptag.parametrize(model, mesh, reshard_after_forward={reshard!r}, "
+                 "mp_policy=fsdptag.MixedPrecisionPolicy(torch.bfloat16, torch.float32))")
+    if _AC_CALLS[c.ac]:
+        lines.append(_AC_CALLS[c.ac])
+    lines.append(f"# batch: {c.batch} x {r.estimate.seq_len} tokens per data-parallel rank")
+    return "\n".join(lines)
+
+
+def format_plan(p: Plan, show_all: bool = False) -> str:
+    fitting = sum(r.fits for r in p.rows)
+    out = [f"Pareto set: {len(p.pareto)} of {fitting} configurations that fit in {_size(p.memory_bytes)} "
+           f"({len(p.rows) - fitting} do not), fastest first", "", format_rows(p.pareto)]
+    best = p.recommended
+    if best is not None:
+        out += ["", f"Recommended ({_label(best.candidate)}, peak {_size(best.estimate.peak_bytes)}):", "",
+                calls(p, best)]
+    else:
+        out += ["", "Nothing fits: try more GPUs, a larger TP degree or a smaller batch."]
+    rejected = sorted((r for r in p.rows if not r.fits), key=lambda r: r.estimate.peak_bytes)
+    if rejected:
+        out += ["", "Closest that does not fit: " + ", ".join(
+            f"{_label(r.candidate)} {_size(r.estimate.peak_bytes)}" for r in rejected[:3])]
+    out += [f"Skipped {s}" for s in p.skipped]
+    if show_all:
+        out += ["", "All configurations, in the order estimated:", "", format_rows(p.rows)]
+    return "\n".join(out)
+
+
+def _pyplot():
+    """matplotlib, an optional dependency: only ``--plot`` needs it."""
+    try:
+        return importlib.import_module("matplotlib.pyplot")
+    except ImportError:
+        raise ImportError("--plot needs matplotlib: pip install matplotlib==3.11.2") from None
+
+
+def plot(p: Plan, path: str) -> None:
+    """Peak memory vs time proxy of every configuration, the Pareto set joined, the budget marked."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for fits, marker in ((True, "o"), (False, "x")):
+        rows = [r for r in p.rows if r.fits == fits]
+        ax.scatter([r.estimate.peak_bytes / 2**30 for r in rows], [r.us_per_token for r in rows], marker=marker,
+                   label="fits" if fits else "does not fit")
+    front = sorted(p.pareto, key=lambda r: r.estimate.peak_bytes)
+    ax.plot([r.estimate.peak_bytes / 2**30 for r in front], [r.us_per_token for r in front], "k--", lw=1,
+            label="Pareto set")
+    for r in p.rows:
+        ax.annotate(_label(r.candidate), (r.estimate.peak_bytes / 2**30, r.us_per_token), fontsize=6)
+    ax.axvline(p.memory_bytes / 2**30, color="r", lw=1, label="memory budget")
+    ax.set_xlabel("peak memory, rank 0 (GiB)")
+    ax.set_ylabel("time proxy (GPU microseconds per token)")
+    ax.set_title(f"{p.model}, world {p.world_size}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=150)
+    plt.close(fig)
+
+
+def _progress(t0: float, r: Row) -> None:
+    print(f"  {_label(r.candidate)}: {_size(r.estimate.peak_bytes)}, {r.us_per_token:.4g} GPU-us/token "
+          f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: write comma-separated integers, e.g. 1,2,4,8") from None
+
+
+def main(argv: list[str] | None = None) -> Plan:
+    ap = argparse.ArgumentParser(prog="python -m fsdptag.plan", description=__doc__.splitlines()[0])
+    add_model_args(ap)
+    ap.add_argument("--world-size", type=int, required=True)
+    ap.add_argument("--memory", required=True, help="per-GPU memory budget, e.g. 80GiB")
+    ap.add_argument("--tp", type=_ints, default=[1], help="TP degrees to try, e.g. 1,2,4,8 (default 1)")
+    ap.add_argument("--batch", type=_ints, default=[1], help="sequences per data-parallel rank, e.g. 1,2")
+    ap.add_argument("--ac", type=lambda s: s.split(","), default=list(AC_MODES),
+                    help=f"AC modes to try (default {','.join(AC_MODES)})")
+    ap.add_argument("--bandwidth", default="50GB/s", help="data-parallel bytes/s per GPU (Note [Time proxy])")
+    ap.add_argument("--tp-bandwidth", default="450GB/s", help="TP bytes/s per GPU")
+    ap.add_argument("--partial-reshard", type=_ints, default=[], metavar="K,...",
+                    help="also try reshard_after_forward=K (kept sharded over K ranks, e.g. 8: one node)")
+    ap.add_argument("--partial-bandwidth", default="450GB/s",
+                    help="bytes/s per GPU of the K-rank re-gathers (default: within a node)")
+    ap.add_argument("--device-flops", default="400T", help="FLOP/s per GPU")
+    ap.add_argument("--plot", default=None, metavar="OUT.png", help="memory vs time proxy (needs matplotlib)")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--all", action="store_true", help="also print every configuration")
+    args = ap.parse_args(argv)
+    rates = Rates(parse_bytes(args.bandwidth, "B/s"), parse_bytes(args.tp_bandwidth, "B/s"),
+                  parse_bytes(args.partial_bandwidth, "B/s"), parse_bytes(args.device_flops, "FLOP/s"))
+    memory = int(parse_bytes(args.memory))
+    if args.plot:
+        _pyplot()  # before the sweep, not after it
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    p = plan(spec_from_args(args), args.world_size, memory, tp=args.tp, batch=args.batch, ac=args.ac,
+             rates=rates, progress=functools.partial(_progress, t0), partial=args.partial_reshard)
+    seq = p.rows[0].estimate.seq_len if p.rows else args.seq_len
+    print(f"{p.model}: world {p.world_size}, seq {seq}, memory {_size(memory)} per GPU; time proxy: "
+          f"bytes sent / {rates.bandwidth / 1e9:g} GB/s (data parallel), / {rates.tp_bandwidth / 1e9:g} GB/s (TP) "
+          f"+ FLOPs / {rates.device_flops / 1e12:g} TFLOP/s; {len(p.rows)} configurations estimated in "
+          f"{time.perf_counter() - t0:.0f} s ({time.process_time() - cpu0:.0f} s CPU)\n")
+    print(format_plan(p, args.all))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": p.model, "world_size": p.world_size, "memory_bytes": p.memory_bytes,
+                       "rates": asdict(rates), "skipped": p.skipped, "keep_last": p.keep_last,
+                       "rows": [{**asdict(r.candidate), **asdict(r.estimate), "comm_s": r.comm_s,
+                                 "compute_s": r.compute_s, "us_per_token": r.us_per_token, "fits": r.fits,
+                                 "pareto": r.pareto} for r in p.rows]}, f, indent=1)
+    if args.plot:
+        plot(p, args.plot)
+    return p
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
