@@ -52,10 +52,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import fsdptag
-from fsdptag.testing.baselines import apply_baseline_ac
+from fsdptag.tools.baselines import apply_baseline_ac
 from fsdptag.debug import CollectiveCounter, LiveStorageTracker, disable_tagging
 from fsdptag.testing.launch import rank_device, spawn
-from fsdptag.testing.llama import Llama, LlamaConfig, apply_tp
+from fsdptag.tools.llama import Llama, LlamaConfig, apply_tp
 
 DEFAULT_VARIANTS = ("tagged", "op-name", "no-fix", "fsdp2", "untagged")
 COMPILE_VARIANTS = ("tagged", "tagged+compile", "fsdp2+compile")

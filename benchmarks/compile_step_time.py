@@ -23,9 +23,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy as FSDP2MP, fully_shard
 
 import fsdptag
-from fsdptag.testing.baselines import apply_baseline_ac
+from fsdptag.tools.baselines import apply_baseline_ac
 from fsdptag.testing.launch import rank_device, spawn
-from fsdptag.testing.llama import Llama, LlamaConfig
+from fsdptag.tools.llama import Llama, LlamaConfig
 
 MP = fsdptag.MixedPrecisionPolicy(torch.bfloat16, torch.float32)
 

@@ -40,7 +40,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import fsdptag
 from fsdptag.debug import LiveStorageTracker
 from fsdptag.testing.launch import spawn
-from fsdptag.testing.llama import Llama, LlamaConfig
+from fsdptag.tools.llama import Llama, LlamaConfig
 from fsdptag.testing.slow_link import SlowLink
 
 VARIANTS = ("fsdptag", "fsdptag-no-prefetch", "fsdp2", "fsdp2-prefetch")

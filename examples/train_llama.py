@@ -47,7 +47,7 @@ from torch.distributed.tensor import DTensor
 
 import fsdptag
 from fsdptag.debug import CollectiveCounter, LiveStorageTracker
-from fsdptag.testing.llama import Llama, LlamaConfig, apply_tp
+from fsdptag.tools.llama import Llama, LlamaConfig, apply_tp
 
 from _checkpointing import CheckpointError, Checkpointer, CheckpointPolicy, SaveMode, prepare_dir
 from _data import Corpus, load_corpus, train_batch, val_batches

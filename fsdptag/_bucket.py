@@ -99,6 +99,7 @@ from ._api import MixedPrecisionPolicy
 from ._compat import contiguous_strides, graph_task_id, sac_hidden
 from ._compiled import forget_live, register_live, traced_gather
 from ._context import GatherContext, Zero2, gather_context, in_inference, running_backward, sac_region
+from ._float8 import Float8Cast
 from ._collectives import GradientReduction, gradient_reduction
 from ._keep import KeptGather, Keeper
 from ._layout import copy_out, layout, pack, unpad
@@ -141,6 +142,9 @@ class Bucket:
         # a TP parameter's slot holds its TP-local tensor
         self.slots, self.numel = layout([p.dp_shape for p in params], self.world)
         self.split_sizes = [slot.numel for slot in self.slots]
+        # torchao float8 weights gather as float8 bytes (Note [Float8 all-gather] in _float8.py)
+        self.float8 = (Float8Cast([p.float8 for p in params], self.slots, self.world, self.group_name,
+                                  self.param_dtype) if params[0].float8 is not None else None)
         self.flat: torch.Tensor | None = None  # bound storage (Note [Bound storage])
         self.locals: tuple[torch.Tensor, ...] = ()
         self.scopes: list[_Scope] = []  # one per open root forward
@@ -327,26 +331,48 @@ class Bucket:
         hooks]), prefetched (Note [Prefetch])."""
         return self._gather_prefetched(True)
 
-    def _gather_input(self, params, tagged: bool, served: Prefetched | None = None) -> torch.Tensor:
+    def _gather_input(self, params, tagged: bool,
+                      served: Prefetched | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The flat per-rank buffer to all-gather: the bound storage (or the shards
         packed), tagged, cast to ``param_dtype``; ``served``: answered by that prefetch
-        (Note [Prefetch])."""
+        (Note [Prefetch]). With it, a float8 bucket's scales (else None)."""
         if served is not None:  # its data is never read: a stand-in once unbound mid-forward
             stand_in = self.flat if self.flat is not None else params[0]._local_tensor.new_empty(self.numel)
             flat = ServedInput(stand_in, self.tag, served)
+            if self.float8 is not None:  # cast when it was issued
+                return flat, served.scales
         elif self._is_bound(params):
             flat = FSDPTaggedTensor(self.flat, self.tag) if tagged else self.flat
         else:
             flat = self._packed([p._local_tensor for p in params], tagged)
+        if self.float8 is not None:  # scales and cast hidden from checkpoint regions (Note [Float8 all-gather])
+            plain = flat._elem if type(flat) is FSDPTaggedTensor else flat
+            with torch.no_grad(), sac_hidden():
+                scales = self.float8.scales(plain, running_backward())
+                data = self.float8.cast(plain, scales)
+            return (FSDPTaggedTensor(data, self.tag) if tagged else data), scales
         if self.param_dtype is not None and self.param_dtype != flat.dtype:
             flat = flat.to(self.param_dtype)
-        return flat
+        return flat, None
+
+    def hand_out(self, pieces, scales: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        """The copied-out pieces as the parameters compute gets: unpadded views (a float8
+        bucket's as torchao's float8 tensors)."""
+        outs = tuple(unpad(self.world, slot, p) for slot, p in zip(self.slots, pieces))
+        if self.float8 is not None:
+            outs = tuple(self.float8.hand_out(i, o, scales) for i, o in enumerate(outs))
+        return outs
 
     # ------------------------------------------------------------ compiled
 
     def traced(self) -> tuple[torch.Tensor, ...]:
         """The bucket gathered inside ``torch.compile`` (Note [Compiled buckets] in
         ``_compiled.py``)."""
+        if self.float8 is not None:
+            raise NotImplementedError(
+                f"fsdptag: bucket {self.name!r} all-gathers torchao float8 weights, which runs in eager "
+                "only (Note [Float8 all-gather]); compile without it: "
+                "Float8LinearConfig(enable_fsdp_float8_all_gather=False)")
         return traced_gather(self)
 
     def issue_all_gather(self, tagged: bool, by: str = "learned") -> Prefetched:
@@ -358,8 +384,9 @@ class Bucket:
             return Prefetched(tagged, cast, c10d.all_gather_into_tensor(cast, self.partial.k,
                                                                         self.partial.group_name), by)
         with torch.no_grad():
-            cast = self._gather_input(self.stored(), tagged)
-            return Prefetched(tagged, cast, c10d.all_gather_into_tensor(cast, self.world, self.group_name), by)
+            cast, scales = self._gather_input(self.stored(), tagged)
+            return Prefetched(tagged, cast, c10d.all_gather_into_tensor(cast, self.world, self.group_name), by,
+                              scales)
 
 
 @dataclass
@@ -411,7 +438,7 @@ class _GatherBucket(torch.autograd.Function):
         node = ctx if any(p.requires_grad for p in params) else None  # frozen weights: no backward
         if reuse is not None:  # a recompute served from the forward's gather
             bucket.keeper.adopt(reuse, node)
-            return tuple(unpad(bucket.world, slot, p) for slot, p in zip(bucket.slots, reuse.pieces))
+            return bucket.hand_out(reuse.pieces, reuse.scales)
         if not bucket.copies():  # DDP without a cast: aliases of the stored shards, no views,
             return tuple(p._local_tensor.detach() for p in params)  # so in place is as in DDP
         # No FSDP op to checkpoint under inference_mode (which would also turn the cast
@@ -423,24 +450,24 @@ class _GatherBucket(torch.autograd.Function):
                 with sac_hidden():  # no region records it: the served ops below are what it sees
                     prefetched = bucket.issue_all_gather(tagged)
         if prefetched is not None and tagged:  # issued ahead: the same ops, served (Note [Prefetch])
-            gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(
-                bucket._gather_input(params, tagged, served=prefetched), bucket.world, bucket.group_name))
+            flat, scales = bucket._gather_input(params, tagged, served=prefetched)
+            gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(flat, bucket.world, bucket.group_name))
         elif prefetched is not None:
-            gathered = c10d.wait_tensor(prefetched.output)
+            gathered, scales = c10d.wait_tensor(prefetched.output), prefetched.scales
         elif bucket.world > 1:
-            gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(
-                bucket._gather_input(params, tagged), bucket.world, bucket.group_name))
+            flat, scales = bucket._gather_input(params, tagged)
+            gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(flat, bucket.world, bucket.group_name))
         else:  # DDP with a cast: the cast shard is the whole parameter
-            gathered = bucket._gather_input(params, tagged)
+            gathered, scales = bucket._gather_input(params, tagged)
         if bucket.partial is not None and not running_backward() and bucket.root.training_forward():
             bucket.partial.keep(gathered._elem if type(gathered) is FSDPTaggedTensor else gathered)
         pieces = copy_out(gathered, bucket.world, bucket.numel, bucket.split_sizes)  # tagged by FSDPTag.parts
         if tagged:  # compute gets plain tensors (Note [Marked handout] in _tag.py)
             pieces = [mark_gathered(p._elem, tag) for p, tag in zip(pieces, bucket.tag.parts)]
         if keep is not None:
-            bucket.keeper.keep(KeptGather(pieces, params, bucket.keeper), keep, node)
+            bucket.keeper.keep(KeptGather(pieces, params, bucket.keeper, scales), keep, node)
         # views made here: autograd refuses in-place ops on them (grad on)
-        return tuple(unpad(bucket.world, slot, p) for slot, p in zip(bucket.slots, pieces))
+        return bucket.hand_out(pieces, scales)
 
     @staticmethod
     def backward(ctx, *grads):

@@ -67,10 +67,11 @@ class KeptGather:
     """A zero2 gather's pieces (a bucket's copied-out parameters, or one parameter's
     all-gather output) from one forward, and what they were gathered from."""
 
-    __slots__ = ("pieces", "shards", "versions", "keeper", "__weakref__")
+    __slots__ = ("pieces", "scales", "shards", "versions", "keeper", "__weakref__")
 
-    def __init__(self, pieces, params, keeper: Keeper) -> None:
+    def __init__(self, pieces, params, keeper: Keeper, scales=None) -> None:
         self.pieces = tuple(p.detach() for p in pieces)  # no autograd history: no cycle via grad_fn
+        self.scales = scales  # a float8 bucket's (Note [Float8 all-gather] in _float8.py)
         self.shards = tuple(p._local_tensor for p in params)
         self.versions = tuple(s._version for s in self.shards)
         self.keeper = keeper

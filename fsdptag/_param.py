@@ -226,6 +226,7 @@ class ParamGather:
         self.stride = contiguous_strides(shape)
         self.root = root  # its check of per-parameter handouts; whether dynamo traces it
         self.bucket: Bucket | None = None  # set when bucketed (Note [Buckets])
+        self.float8 = None  # a torchao float8 weight's Float8Weight (Note [Float8 all-gather])
         self.pregathered: torch.Tensor | None = None  # Note [Compiled gathers]
         # zero2 gathers kept for a checkpoint's recompute (Note [zero2 kept until backward])
         self.keeper = (Keeper(root.training_forward)

@@ -24,6 +24,7 @@ from ._blocks import find_blocks, is_checkpointed
 from ._bucket import Bucket
 from ._class_swap import user_class
 from ._compat import StridedShard, concatenate_meshes
+from ._float8 import Float8Weight, float8_weight
 from ._param import ParamGather, ParamModuleInfo
 from ._partial import check_partial
 from ._state import ModuleState, RootState, module_state
@@ -146,12 +147,18 @@ def plan_parameters(plan: ParametrizePlan, setting: _Setting, params: list) -> N
         reshard = setting.reshard_of(mfqn, module)
         if setting.mode is DataParallelMode.REPLICATE:
             reshard = False  # nothing to reshard
+        float8 = float8_weight(param)  # torchao's: the stored parameter is its plain tensor
+        if float8 is not None:
+            _check_float8(fqn, float8, reshard, setting)
+            param = nn.Parameter(float8.hp, requires_grad=param.requires_grad)
         if reshard is not True and reshard is not False:  # an int k: Note [Partial reshard]
             check_partial(reshard, setting.dp_mesh, fqn)
             plan.partial[fqn] = reshard
             reshard = True
         gather, sharded = _shard_param(
             param, FSDPTag(fqn, reshard), ParamModuleInfo(module, name), setting, plan.root)
+        if setting.mode is not DataParallelMode.REPLICATE:  # DDP gathers nothing
+            gather.float8 = float8
         seen[id(param)] = plan.params[fqn] = gather
         plan.sharded[fqn] = sharded
         plan.state_of(module).params[name] = gather
@@ -168,16 +175,19 @@ def plan_buckets(plan: ParametrizePlan, setting: _Setting) -> None:
         if root is not None:
             by_root.setdefault(root, []).append(gather)
     for root, gathers in by_root.items():
-        groups: dict[tuple[torch.dtype, bool, int | None], list[ParamGather]] = {}
-        for g in gathers:
-            key = (plan.sharded[g.fqn].dtype, g.tag.reshard_after_forward, plan.partial.get(g.fqn))
+        groups: dict[tuple[torch.dtype, bool, bool, int | None], list[ParamGather]] = {}
+        for g in gathers:  # torchao float8 weights: a bucket of their own (Note [Float8 all-gather])
+            key = (plan.sharded[g.fqn].dtype, g.float8 is not None, g.tag.reshard_after_forward,
+                   plan.partial.get(g.fqn))
             groups.setdefault(key, []).append(g)
-        dtypes, reshards = {k[0] for k in groups}, {k[1:] for k in groups}
+        dtypes, reshards = {k[0] for k in groups}, {k[2:] for k in groups}
         buckets = []
-        for (dtype, reshard, k), group in groups.items():
+        for (dtype, float8, reshard, k), group in groups.items():
             name = root or "<root>"
             if len(dtypes) > 1:
                 name += f"[{str(dtype).removeprefix('torch.')}]"
+            if float8:
+                name += "[float8]"
             if len(reshards) > 1:
                 name += f"[zero{3 if reshard else 2}{'' if k is None else f'@{k}'}]"
             b = Bucket(name, reshard, group, setting.dp_mesh, setting.mp, plan.root, partial=k)
@@ -187,6 +197,24 @@ def plan_buckets(plan: ParametrizePlan, setting: _Setting) -> None:
                 g.bucket = b
             buckets.append(b)
         plan.state_of(setting.bucket_roots[root]).buckets = tuple(buckets)
+    alone = [fqn for fqn, g in plan.params.items() if g.float8 is not None and g.bucket is None]
+    if alone:
+        raise ValueError(
+            f"torchao float8 weights {alone[:3]} are in no bucket; their float8 all-gather runs per bucket "
+            "(Note [Float8 all-gather]): use bucket='blocks' (the default) or a bucket policy that covers "
+            "them, or Float8LinearConfig(enable_fsdp_float8_all_gather=False)")
+
+
+def _check_float8(fqn: str, float8: Float8Weight, reshard, setting: _Setting) -> None:
+    """What the float8 all-gather supports (Note [Float8 all-gather])."""
+    no = ("Float8LinearConfig(enable_fsdp_float8_all_gather=False) gathers it in high precision, and "
+          "torchao casts it for the matmul")
+    if isinstance(float8.hp, DTensor):
+        raise ValueError(f"torchao float8 weight {fqn!r} is TP-sharded; fsdptag's float8 all-gather covers "
+                         f"data parallelism alone: {no}")
+    if reshard is not True and reshard is not False:
+        raise ValueError(f"torchao float8 weight {fqn!r}: reshard_after_forward={reshard} (partial reshard) "
+                         f"does not take float8 all-gathers; use True or False for its module, or {no}")
 
 
 def _check_param(fqn: str, param: nn.Parameter, setting: _Setting) -> None:

@@ -70,10 +70,12 @@ class Prefetched:
     until its bucket gathers or ``fsdptag.reshard``; Note [Explicit schedule] in
     ``_schedule.py``)."""
 
-    __slots__ = ("tagged", "cast", "output", "by")
+    __slots__ = ("tagged", "cast", "output", "by", "scales")
 
-    def __init__(self, tagged: bool, cast: torch.Tensor, output: torch.Tensor, by: str = "learned") -> None:
+    def __init__(self, tagged: bool, cast: torch.Tensor, output: torch.Tensor, by: str = "learned",
+                 scales: torch.Tensor | None = None) -> None:
         self.tagged, self.cast, self.output, self.by = tagged, cast, output, by
+        self.scales = scales  # a float8 bucket's (Note [Float8 all-gather] in _float8.py)
 
     def wait(self) -> None:
         c10d.wait_tensor(self.output)

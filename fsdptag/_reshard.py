@@ -22,7 +22,11 @@ So while the root module's forward runs we push ``saved_tensors_hooks``:
 The re-gather reproduces the forward gather exactly (same collective, same
 padding and unpadding), so the buffer layout matches and ``as_strided`` is the
 same view. Parameters whose gathered value backward never needs (embedding
-tables, biases) are never packed, so never re-gathered.
+tables, biases) are never packed, so never re-gathered. A tensor subclass around a
+gathered parameter (torchao's ``Float8TrainingTensor``, Note [Float8 all-gather] in
+``_float8.py``) is packed through ``__tensor_flatten__``: its gathered inner tensor
+becomes a handle, the rest (the scale) is kept, and unpack rebuilds it with
+``__tensor_unflatten__``.
 
 Hooks are not pushed inside backward, nor over a checkpoint region's: inside an
 activation-checkpointed region ``torch.utils.checkpoint`` owns the saved tensors
@@ -65,7 +69,7 @@ class _Regather:
         if self.buffers is None:
             with torch.no_grad():
                 # Tagged so collective traces attribute it; the tags are stripped here.
-                self.buffers = {a: _innermost(t) for a, t in self.gather().items()}
+                self.buffers = {a: _gathered_inner(t) for a, t in self.gather().items()}
         buffer = self.buffers[param]
         self.pending -= 1
         if self.pending == 0:
@@ -99,6 +103,40 @@ class _PackedView:
         if self.spec is None:
             return view
         return DTensor(view, self.spec, requires_grad=False)
+
+
+class _PackedWrapper:
+    """A tensor subclass around a zero3 gathered tensor (torchao's float8 weight): its
+    gathered inner tensor as a :class:`_PackedView`, the others as they are."""
+
+    __slots__ = ("cls", "ctx", "inner", "size", "stride")
+
+    def __init__(self, t: torch.Tensor, inner: dict) -> None:
+        self.cls, self.ctx = type(t), t.__tensor_flatten__()[1]
+        self.inner, self.size, self.stride = inner, t.size(), t.stride()
+
+    def unpack(self) -> torch.Tensor:
+        inner = {n: v.unpack() if isinstance(v, _PackedView) else v for n, v in self.inner.items()}
+        return self.cls.__tensor_unflatten__(inner, self.ctx, self.size, self.stride)
+
+
+def _tagged_inner(t: torch.Tensor) -> tuple[str, torch.Tensor, object] | None:
+    """For a traceable tensor subclass (not fsdptag's, DTensor or a collective's) whose
+    inner tensor is a gathered parameter: that tensor's name, itself and its tag."""
+    if type(t) in (torch.Tensor, nn.Parameter) or isinstance(t, DTensor) or not hasattr(t, "__tensor_flatten__"):
+        return None
+    for name in t.__tensor_flatten__()[0]:
+        inner = getattr(t, name)
+        tag = get_fsdp_tag(inner)
+        if tag is not None:
+            return name, inner, tag
+    return None
+
+
+def _gathered_inner(t: torch.Tensor) -> torch.Tensor:
+    """The tensor of a (re-)gather that holds the parameter's gathered bytes."""
+    found = _tagged_inner(t)
+    return found[1] if found is not None else _innermost(t)
 
 
 class _Theirs:
@@ -163,6 +201,13 @@ class SavedTensorHooks:
 
     def _pack(self, t: torch.Tensor):
         tag = None if type(t) is nn.Parameter else get_fsdp_tag(t)  # views of a gathered parameter: by its mark
+        wrapped = _tagged_inner(t) if tag is None else None  # a float8 weight around one
+        if wrapped is not None:
+            name, inner, tag = wrapped
+            if not tag.reshard_after_forward:
+                return t
+            names = t.__tensor_flatten__()[0]
+            return _PackedWrapper(t, {n: self._pack(inner) if n == name else getattr(t, n) for n in names})
         if tag is None:  # an activation (or a handout that is no copy: it has no tag)
             if self._theirs is None:
                 return t
@@ -182,7 +227,7 @@ class SavedTensorHooks:
 
     @staticmethod
     def _unpack(x):
-        if isinstance(x, _PackedView):
+        if isinstance(x, (_PackedView, _PackedWrapper)):
             return x.unpack()
         if isinstance(x, _Theirs):
             return x.unpack(x.packed)

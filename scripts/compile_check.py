@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 import fsdptag
-from fsdptag.testing.llama import Llama, apply_tp
+from fsdptag.tools.llama import Llama, apply_tp
 from tests.harness import launch, result, run_cases
 from tests.test_checkpoint import CFG, _tokens
 

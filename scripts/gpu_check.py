@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fsdptag  # noqa: E402
 from fsdptag._compat import fake_store  # noqa: E402
 from fsdptag.debug import disable_tagging  # noqa: E402
-from fsdptag.testing.llama import Llama, LlamaConfig, _rope_cache  # noqa: E402
+from fsdptag.tools.llama import Llama, LlamaConfig, _rope_cache  # noqa: E402
 
 MP = fsdptag.MixedPrecisionPolicy(torch.bfloat16, torch.float32)
 

@@ -32,6 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PARAM, CKPT, EST, REL, INTEG, UNIT = ("tests/test_parametrize.py", "tests/test_checkpoint.py", "tests/test_estimate.py",
                                       "tests/test_reliability.py", "tests/test_integrations.py", "tests/unit")
+FLOAT8 = "tests/test_float8.py"
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,13 @@ MUTANTS = [
            "        self.owned", "        return None\n        self.owned", (INTEG,)),
     Mutant("full-ac-plain-everywhere", "full AC is a plain checkpoint even where zero2 gathers are not kept (a block reads a root-bucket parameter)",
            "fsdptag/_ac.py", "return bool(states) and all(", "return bool(states) or all(", (UNIT,)),
+    Mutant("float8-local-scales", "float8 scales from this rank's shard alone (no all-reduce of the amax)",
+           "fsdptag/_float8.py", "        if self.world > 1:\n            amax = c10d.wait_tensor(",
+           "        if False:\n            amax = c10d.wait_tensor(", (FLOAT8,)),
+    Mutant("float8-backward-rescales", "a zero3 float8 re-gather recomputes its scales (an all-reduce in backward)",
+           "fsdptag/_float8.py", "if backward and self.forward_scales is not None:", "if False:", (FLOAT8,)),
+    Mutant("float8-zero3-keeps", "zero3 hooks keep torchao's float8 weight instead of packing its gathered bytes",
+           "fsdptag/_reshard.py", "wrapped = _tagged_inner(t) if tag is None else None", "wrapped = None", (FLOAT8,)),
 ]
 
 # tests/harness.py's report of ranks that went out of step (a collective timed out).

@@ -19,9 +19,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import fsdptag
-from fsdptag.testing.baselines import apply_baseline_ac
+from fsdptag.tools.baselines import apply_baseline_ac
 from fsdptag.debug import CollectiveCounter, LiveStorageTracker
-from fsdptag.testing.llama import Llama, LlamaConfig, apply_tp
+from fsdptag.tools.llama import Llama, LlamaConfig, apply_tp
 
 from .harness import launch, result, run_cases
 
@@ -477,7 +477,7 @@ def test_memory_vs_op_name_policy_and_fsdp2(results, ac):
     # The README's table (kept for backward, FSDP+TP 2x2, zero2, bf16), pinned on every
     # torch; the op-name policy's own count of what it saves that is no FSDP result
     # (README: 14848 B) is its bookkeeping, told from the op's output on torch 2.13+
-    # and from its inputs on 2.11 (fsdptag/testing/baselines.py), so only bounded here.
+    # and from its inputs on 2.11 (fsdptag/tools/baselines.py), so only bounded here.
     text = f"(a) tagged {a} B, (b) op-name {b} B, (c) FSDP2 {c} B"
     if ac == "selective":
         assert_expected_inline(text, """(a) tagged 35560 B, (b) op-name 58600 B, (c) FSDP2 38248 B""")

@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 import fsdptag
 from fsdptag.debug import CollectiveCounter
-from fsdptag.testing.llama import Llama, apply_tp
+from fsdptag.tools.llama import Llama, apply_tp
 
 from .harness import launch, result, run_cases
 from .test_checkpoint import CFG, _tokens

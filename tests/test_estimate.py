@@ -13,7 +13,7 @@ import torch.distributed as dist
 from expecttest import assert_expected_inline
 
 from fsdptag.tools import estimate as est
-from fsdptag.testing.llama import CONFIGS, Llama
+from fsdptag.tools.llama import CONFIGS, Llama
 
 from .harness import launch
 
@@ -310,8 +310,8 @@ def test_bad_models_name_the_fix():
     text = "\n".join(_error(f) for f in [
         run("llama3-9b"),
         run("fsdptag.nowhere:build"),
-        run("fsdptag.testing.llama:nothing"),
-        run("fsdptag.testing.llama:Llama"),
+        run("fsdptag.tools.llama:nothing"),
+        run("fsdptag.tools.llama:Llama"),
         run(no_embedding),
         run(no_plan, tp=2),
         run("llama3-debug", ac="most"),
@@ -320,8 +320,8 @@ def test_bad_models_name_the_fix():
     assert_expected_inline(text, """\
 ValueError: unknown model 'llama3-9b'; built-in models are ['llama3-70b', 'llama3-8b', 'llama3-debug'], or pass a factory as 'pkg.module:function' (or --hf-config path/to/config.json)
 ValueError: cannot import 'fsdptag.nowhere' for 'fsdptag.nowhere:build' (No module named 'fsdptag.nowhere'); make it importable (installed, or on PYTHONPATH)
-ValueError: 'fsdptag.testing.llama' has no 'nothing'; use 'pkg.module:function'
-TypeError: model 'fsdptag.testing.llama:Llama': building it failed (Llama.__init__() missing 1 required positional argument: 'cfg'); the factory is called with no arguments and returns the model
+ValueError: 'fsdptag.tools.llama' has no 'nothing'; use 'pkg.module:function'
+TypeError: model 'fsdptag.tools.llama:Llama': building it failed (Llama.__init__() missing 1 required positional argument: 'cfg'); the factory is called with no arguments and returns the model
 ValueError: cannot tell the vocabulary size of model 'linear' (no input embedding); pass ModelSpec(vocab_size=...)
 ValueError: model 'seq' (Sequential) has no TP plan; pass tp_plan=fn(model, tp_mesh) (CLI: --tp-plan pkg.module:fn) or use tp=1
 ValueError: unknown ac='most'; use one of ('none', 'full', 'selective', 'layer')

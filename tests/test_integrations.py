@@ -24,7 +24,7 @@ import fsdptag
 from fsdptag._blocks import find_blocks
 from fsdptag._compat import SAC_POLICY_SEES_OUTPUT
 from fsdptag.debug import CollectiveCounter, LiveStorageTracker
-from fsdptag.testing.llama import Llama
+from fsdptag.tools.llama import Llama
 
 from . import models
 from .harness import launch, result, run_cases

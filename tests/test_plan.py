@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fsdptag.tools import estimate as est
 from fsdptag.tools import plan as planner
-from fsdptag.testing.llama import CONFIGS, Llama
+from fsdptag.tools.llama import CONFIGS, Llama
 
 from .harness import launch
 

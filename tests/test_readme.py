@@ -59,6 +59,8 @@ def test_training_controls_run_on_two_ranks(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     assert sorted(re.findall(r"rank (\d): 4 microbatches, (\d+) reduce-scatters", run.stdout)) == [
         ("0", "3"), ("1", "3")], run.stdout
+    assert sorted(re.findall(r"rank (\d): float8 weights gathered as (\d+) B", run.stdout)) == [
+        ("0", "131072"), ("1", "131072")], run.stdout
 
 
 def test_quick_start_runs_on_two_ranks(tmp_path):

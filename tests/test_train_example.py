@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import fsdptag
-from fsdptag.testing.llama import Llama, LlamaConfig
+from fsdptag.tools.llama import Llama, LlamaConfig
 
 sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 import fault_matrix as fm  # noqa: E402
