@@ -203,6 +203,42 @@ def _no_sync(mesh, r):
     return out
 
 
+def _no_sync_tp(mesh, dp_rank):
+    """Note [Accumulation without sync] under FSDP x TP (dp 2 x tp 2): 3 microbatches,
+    the last syncs; gradients vs FSDP2 with the same TP plan and setting, and vs
+    syncing every microbatch."""
+    from torch.distributed.fsdp import fully_shard
+
+    plan = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+    out = {}
+    for zero in (2, 3):
+        grads = {}
+        for variant in ("no_sync", "sync", "fsdp2"):
+            model = models.make_net()
+            for block in model.layers:
+                parallelize_module(block, mesh["tp"], plan)
+            if variant == "fsdp2":
+                for block in model.layers:
+                    fully_shard(block, mesh=mesh["dp"], reshard_after_forward=zero == 3)
+                fully_shard(model, mesh=mesh["dp"], reshard_after_forward=zero == 3)
+            else:
+                fsdptag.parametrize(model, mesh, reshard_after_forward=zero == 3)
+            for step in range(3):
+                sync = variant == "sync" or step == 2
+                if variant == "fsdp2":
+                    model.set_requires_gradient_sync(sync)
+                else:
+                    fsdptag.set_requires_gradient_sync(model, sync)
+                tokens, targets = models.batch(step, 2)
+                models.loss_fn(model(tokens[dp_rank]), targets[dp_rank]).backward()
+            grads[variant] = [p.grad.to_local() for p in model.parameters()]
+        rel = {v: max(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+                      for a, b in zip(grads["no_sync"], grads[v])) for v in ("sync", "fsdp2")}
+        out[f"zero{zero}"] = {v: "bitwise" if all(torch.equal(a, b) for a, b in zip(grads["no_sync"], grads[v]))
+                              else "rel < 1e-6" if r < 1e-6 else f"rel {r}" for v, r in rel.items()}
+    return out
+
+
 def _schedule(mesh, r):
     """Note [Explicit schedule]: ``prefetch=False`` with forward / backward prefetch lists
     and an ``unshard`` before each forward trains bitwise like the default."""
@@ -1204,6 +1240,7 @@ def worker_4ranks():
             dp_rank=dp_rank, dp_size=2, bucket="block")
     cases["uneven zero3 ranks agree"] = functools.partial(_tp_collectives_consistent, flat)
     cases["partial reshard"] = functools.partial(_partial_reshard, flat, r)
+    cases["no_sync fsdp+tp 2x2"] = functools.partial(_no_sync_tp, dp_tp, dp_rank)
     return run_cases(cases)
 
 
@@ -1239,6 +1276,12 @@ backward all_gather dp/2 [fsdp] x3
 backward reduce_scatter dp x3
 full bitwise zero3: True
 full kept zero3 < k=2 < zero2: (True, 4904, 12088, 16968)""")
+
+
+def test_no_sync_with_tp_4ranks(four_ranks):
+    """FSDP x TP accumulation without sync: the synced step's gradients against FSDP2's
+    with the same TP plan and setting, and against syncing every microbatch."""
+    assert_expected_inline(str(result(four_ranks, "no_sync fsdp+tp 2x2")), """{'zero2': {'sync': 'rel < 1e-6', 'fsdp2': 'bitwise'}, 'zero3': {'sync': 'rel < 1e-6', 'fsdp2': 'bitwise'}}""")
 
 
 def test_collectives_4ranks(four_ranks):
