@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ._api import ACMode
 from ._blocks import AC_CONTEXT_FN, find_blocks, is_checkpointed
-from ._bucket import scoped
+from ._scopes import scoped
 from ._checkpoint import DEFAULT_SAVE_OPS, SaveOps, as_policy, checkpoint_context_fn
 from ._class_swap import register_kind, swap_class, user_class
 from ._compat import is_compiling

@@ -87,10 +87,8 @@ Buckets inside ``torch.compile``: Note [Compiled buckets] in ``_compiled.py``.
 
 from __future__ import annotations
 
-import contextlib
 import weakref
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate
@@ -106,12 +104,13 @@ from ._layout import copy_out, layout, pack, unpad
 from ._param import ParamGather, makes_copy
 from ._partial import PartialReshard
 from ._prefetch import Prefetched, ServedInput
-from ._tag import FSDPTag, FSDPTaggedTensor, check_unchanged, mark_gathered
+from ._tag import FSDPTag, FSDPTaggedTensor, mark_gathered
 
 if TYPE_CHECKING:
+    from ._scopes import Scope
     from ._state import RootState
 
-__all__ = ["Bucket", "open_scopes", "scoped"]
+__all__ = ["Bucket"]
 
 c10d = torch.ops._c10d_functional
 
@@ -147,7 +146,7 @@ class Bucket:
                                   self.param_dtype) if params[0].float8 is not None else None)
         self.flat: torch.Tensor | None = None  # bound storage (Note [Bound storage])
         self.locals: tuple[torch.Tensor, ...] = ()
-        self.scopes: list[_Scope] = []  # one per open root forward
+        self.scopes: list[Scope] = []  # one per open root forward (_scopes.py)
         # zero2 gathers kept for a checkpoint's recompute (Note [zero2 kept until backward])
         self.keeper = Keeper(root.training_forward) if not reshard and self.world > 1 else None
         self.root = root  # its prefetcher (Note [Prefetch]) and scope-less recomputes
@@ -387,42 +386,6 @@ class Bucket:
             cast, scales = self._gather_input(self.stored(), tagged)
             return Prefetched(tagged, cast, c10d.all_gather_into_tensor(cast, self.world, self.group_name), by,
                               scales)
-
-
-@dataclass
-class _Scope:
-    """One open bucket-root ``forward``: its checkpoint region (Note [Buckets]), the
-    gathered parameters it serves and their version counters when gathered."""
-
-    region: object
-    gathered: dict = field(default_factory=dict)
-    versions: dict = field(default_factory=dict)
-
-
-@contextlib.contextmanager
-def open_scopes(buckets: tuple[Bucket, ...]) -> Iterator[None]:
-    """A fresh gather scope of each of ``buckets`` (one root ``forward``)."""
-    region = sac_region()
-    for b in buckets:
-        b.scopes.append(_Scope(region))
-    try:
-        yield
-        for b in buckets:  # not on the way out of an error: that error is the one to see
-            scope = b.scopes[-1]
-            check_unchanged((scope.gathered[p], v, p.fqn) for p, v in scope.versions.items())
-    finally:
-        for b in buckets:
-            b.scopes.pop()
-
-
-def scoped(buckets: tuple[Bucket, ...], fn):
-    """``fn`` run inside a fresh gather scope of each of ``buckets``."""
-
-    def run(*args, **kwargs):
-        with open_scopes(buckets):
-            return fn(*args, **kwargs)
-
-    return run
 
 
 class _GatherBucket(torch.autograd.Function):

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
-__all__ = ["Float8Cast", "Float8Weight", "float8_weight"]
+__all__ = ["Float8Cast", "Float8Weight", "check_bucketed", "check_float8", "float8_weight"]
 
 c10d = torch.ops._c10d_functional
 
@@ -72,6 +72,31 @@ def float8_weight(param: torch.Tensor) -> Float8Weight | None:
         return None
     hp = data if isinstance(data, DTensor) else local._tensor
     return Float8Weight(hp, local._dtype, local._linear_mm_config, cls.__module__)
+
+
+_NO = ("Float8LinearConfig(enable_fsdp_float8_all_gather=False) gathers it in high precision, and torchao "
+       "casts it for the matmul")
+
+
+def check_float8(fqn: str, weight: Float8Weight, reshard) -> None:
+    """What the float8 all-gather covers (Note [Float8 all-gather]): refused before
+    ``parametrize`` changes anything."""
+    if isinstance(weight.hp, DTensor):
+        raise ValueError(f"torchao float8 weight {fqn!r} is TP-sharded; fsdptag's float8 all-gather covers "
+                         f"data parallelism alone: {_NO}")
+    if reshard is not True and reshard is not False:
+        raise ValueError(f"torchao float8 weight {fqn!r}: reshard_after_forward={reshard} (partial reshard) "
+                         f"does not take float8 all-gathers; use True or False for its module, or {_NO}")
+
+
+def check_bucketed(buckets: dict) -> None:
+    """Every float8 weight (fqn -> its bucket or None) is in a bucket."""
+    alone = [fqn for fqn, bucket in buckets.items() if bucket is None]
+    if alone:
+        raise ValueError(
+            f"torchao float8 weights {alone[:3]} are in no bucket; their float8 all-gather runs per bucket "
+            "(Note [Float8 all-gather]): use bucket='blocks' (the default) or a bucket policy that covers "
+            f"them, or {_NO}")
 
 
 class Float8Cast:

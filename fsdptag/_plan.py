@@ -8,7 +8,6 @@ them) without touching the model, so a bad call raises with the model unchanged.
 
 from __future__ import annotations
 
-import math
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
@@ -23,8 +22,9 @@ from ._api import BucketPolicy, DataParallelMode, MixedPrecisionPolicy, OverlapP
 from ._blocks import find_blocks, is_checkpointed
 from ._bucket import Bucket
 from ._class_swap import user_class
-from ._compat import StridedShard, concatenate_meshes
-from ._float8 import Float8Weight, float8_weight
+from ._float8 import check_bucketed, check_float8, float8_weight
+from ._mesh import (check_devices, concatenate_dp_tp, dp_mesh_of, mode_for, parse_mode, strided_if_needed,
+                    tp_dim_names)
 from ._param import ParamGather, ParamModuleInfo
 from ._partial import check_partial
 from ._state import ModuleState, RootState, module_state
@@ -102,7 +102,7 @@ def _validate(model, mesh, mode, reshard_after_forward, mp_policy, shard_dim, bu
             "fsdptag.parametrize once, on the root module"
         )
     if mode is not None:
-        mode = _parse_mode(mode)
+        mode = parse_mode(mode)
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a DeviceMesh, got {type(mesh).__name__}; use init_device_mesh")
     mp = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
@@ -120,10 +120,10 @@ def _validate(model, mesh, mode, reshard_after_forward, mp_policy, shard_dim, bu
               for n, p in m.named_parameters(recurse=False)]
     if not params:
         raise ValueError(f"{type(model).__name__} has no parameters to parametrize")
-    _check_devices(params, mesh)
-    tp_names = _tp_dim_names(params)
-    dp_mesh = _dp_mesh(mesh, tp_names)
-    mode = _mode_for(dp_mesh, mode, tp_names)
+    check_devices(params, mesh)
+    tp_names = tp_dim_names(params)
+    dp_mesh = dp_mesh_of(mesh, tp_names)
+    mode = mode_for(dp_mesh, mode, tp_names)
     dp_placements: tuple[Placement, ...] = {
         DataParallelMode.REPLICATE: (Replicate(),),
         DataParallelMode.FULLY_SHARD: (Shard(shard_dim),),
@@ -149,7 +149,7 @@ def plan_parameters(plan: ParametrizePlan, setting: _Setting, params: list) -> N
             reshard = False  # nothing to reshard
         float8 = float8_weight(param)  # torchao's: the stored parameter is its plain tensor
         if float8 is not None:
-            _check_float8(fqn, float8, reshard, setting)
+            check_float8(fqn, float8, reshard)
             param = nn.Parameter(float8.hp, requires_grad=param.requires_grad)
         if reshard is not True and reshard is not False:  # an int k: Note [Partial reshard]
             check_partial(reshard, setting.dp_mesh, fqn)
@@ -197,24 +197,7 @@ def plan_buckets(plan: ParametrizePlan, setting: _Setting) -> None:
                 g.bucket = b
             buckets.append(b)
         plan.state_of(setting.bucket_roots[root]).buckets = tuple(buckets)
-    alone = [fqn for fqn, g in plan.params.items() if g.float8 is not None and g.bucket is None]
-    if alone:
-        raise ValueError(
-            f"torchao float8 weights {alone[:3]} are in no bucket; their float8 all-gather runs per bucket "
-            "(Note [Float8 all-gather]): use bucket='blocks' (the default) or a bucket policy that covers "
-            "them, or Float8LinearConfig(enable_fsdp_float8_all_gather=False)")
-
-
-def _check_float8(fqn: str, float8: Float8Weight, reshard, setting: _Setting) -> None:
-    """What the float8 all-gather supports (Note [Float8 all-gather])."""
-    no = ("Float8LinearConfig(enable_fsdp_float8_all_gather=False) gathers it in high precision, and "
-          "torchao casts it for the matmul")
-    if isinstance(float8.hp, DTensor):
-        raise ValueError(f"torchao float8 weight {fqn!r} is TP-sharded; fsdptag's float8 all-gather covers "
-                         f"data parallelism alone: {no}")
-    if reshard is not True and reshard is not False:
-        raise ValueError(f"torchao float8 weight {fqn!r}: reshard_after_forward={reshard} (partial reshard) "
-                         f"does not take float8 all-gathers; use True or False for its module, or {no}")
+    check_bucketed({fqn: g.bucket for fqn, g in plan.params.items() if g.float8 is not None})
 
 
 def _check_param(fqn: str, param: nn.Parameter, setting: _Setting) -> None:
@@ -258,16 +241,6 @@ def _bucket_roots(bucket: BucketPolicy, model: nn.Module) -> Callable[[str, nn.M
     )
 
 
-def _parse_mode(mode) -> DataParallelMode:
-    if isinstance(mode, DataParallelMode):
-        return mode
-    try:
-        return DataParallelMode(mode)
-    except ValueError:
-        choices = ", ".join(repr(m.value) for m in DataParallelMode)
-        raise ValueError(f"unknown mode={mode!r}; use one of {choices}") from None
-
-
 def _reshard_value(value, where: str):
     """A bool, or an int k > 1 (partial reshard, checked against the mesh later)."""
     if isinstance(value, bool) or (isinstance(value, int) and value > 1):
@@ -309,79 +282,6 @@ def reshard_resolver(model: nn.Module, policy: ReshardPolicy) -> Callable[[str, 
     )
 
 
-def _check_devices(params, mesh: DeviceMesh) -> None:
-    devices = sorted({p.device.type for *_, p in params})
-    if len(devices) > 1:
-        where = {d: next(f"{m}.{n}".lstrip(".") for m, _, n, p in params if p.device.type == d)
-                 for d in devices}
-        raise ValueError(
-            f"parameters are on several device types {where}; move the whole model to one device "
-            f"(model.to({mesh.device_type!r}), or build it all under torch.device('meta')) before parametrize"
-        )
-    if devices[0] not in ("meta", mesh.device_type):
-        raise ValueError(
-            f"parameters are on {devices[0]!r} but the mesh is on {mesh.device_type!r}; move the "
-            f"model with model.to({mesh.device_type!r}) or build the mesh on the parameters' device"
-        )
-
-
-def _tp_dim_names(params) -> tuple[str, ...]:
-    meshes = {p.device_mesh for *_, p in params if isinstance(p, DTensor)}
-    names: list[str] = []
-    for m in meshes:
-        if m.mesh_dim_names is None:
-            raise ValueError("TP parameters live on a mesh without dim names; name its dims")
-        names += [n for n in m.mesh_dim_names if n not in names]
-    return tuple(names)
-
-
-def _dp_mesh(mesh: DeviceMesh, tp_names: tuple[str, ...]) -> DeviceMesh:
-    """``mesh`` without the dims TP parameters use."""
-    names = mesh.mesh_dim_names or ()
-    if not any(n in names for n in tp_names):
-        return mesh
-    dp_names = tuple(n for n in names if n not in tp_names)
-    if not dp_names:
-        raise ValueError(
-            f"mesh dims {names} are all TP dims; pass a mesh that also has the data-parallel dim(s)"
-        )
-    return mesh[dp_names]
-
-
-def _mode_for(dp_mesh: DeviceMesh, mode: DataParallelMode | None, tp_names: tuple[str, ...]) -> DataParallelMode:
-    """The explicit ``mode`` checked against the data-parallel mesh, or the default:
-    one dim -> fully_shard, two -> hybrid_shard (replicate over dim 0, shard over dim 1)."""
-    names = dp_mesh.mesh_dim_names
-    if mode is None:
-        unused_tp = [n for n in names or () if "tp" in n.lower().split("_")]
-        if unused_tp:
-            raise ValueError(
-                f"mesh dim {unused_tp[0]!r} looks like a TP dim but no parameter is on it; "
-                "call parallelize_module on the TP sub-mesh first, or pass mode='fully_shard' / "
-                "'hybrid_shard' / 'replicate' to data-parallelize over it"
-            )
-        if dp_mesh.ndim in (1, 2):
-            return DataParallelMode.FULLY_SHARD if dp_mesh.ndim == 1 else DataParallelMode.HYBRID_SHARD
-        raise ValueError(
-            f"data-parallel mesh has {dp_mesh.ndim} dims {names or ''}; pass a 1D mesh "
-            "(mode='fully_shard' or 'replicate') or a 2D (replicate, shard) mesh (mode='hybrid_shard')"
-            + (f", e.g. mesh[{names[-2:]!r}]" if names else "")
-        )
-    if dp_mesh.ndim != mode.mesh_ndim:
-        fix = (
-            f"use mode='hybrid_shard' or pass one dim, e.g. mesh[{names[-1]!r}]"
-            if dp_mesh.ndim > mode.mesh_ndim and names
-            else "use mode='hybrid_shard' or pass a 1D sub-mesh"
-            if dp_mesh.ndim > mode.mesh_ndim
-            else "pass a 2D mesh (replicate, shard) or use mode='fully_shard'"
-        )
-        raise ValueError(
-            f"data-parallel mesh has {dp_mesh.ndim} dim(s) {names or ''} but "
-            f"mode={mode.value!r} needs {mode.mesh_ndim}; {fix}"
-        )
-    return mode
-
-
 def _shard_param(param: nn.Parameter, tag: FSDPTag, module_info: ParamModuleInfo, setting: _Setting,
                  root: RootState) -> tuple[ParamGather, nn.Parameter]:
     dp_mesh, dp_placements = setting.dp_mesh, setting.dp_placements
@@ -392,10 +292,10 @@ def _shard_param(param: nn.Parameter, tag: FSDPTag, module_info: ParamModuleInfo
         return gather, nn.Parameter(sharded, requires_grad=param.requires_grad)
 
     tp_mesh, tp_placements = param.device_mesh, tuple(param.placements)
-    spanned = _concatenate_meshes(dp_mesh, tp_mesh, tag.fqn)
+    spanned = concatenate_dp_tp(dp_mesh, tp_mesh, tag.fqn)
     tp_local = param.to_local().detach()
     local = distribute_tensor(tp_local, dp_mesh, dp_placements, src_data_rank=None).to_local()
-    placements = tuple(_strided_if_needed(p, tp_mesh, tp_placements) for p in dp_placements)
+    placements = tuple(strided_if_needed(p, tp_mesh, tp_placements) for p in dp_placements)
     sharded = DTensor.from_local(
         local, spanned, placements + tp_placements, run_check=False,
         shape=param.shape, stride=param.stride(),
@@ -403,26 +303,3 @@ def _shard_param(param: nn.Parameter, tag: FSDPTag, module_info: ParamModuleInfo
     gather = ParamGather(tag, module_info, dp_mesh, dp_placements, tp_local.shape, setting.mp,
                          tp_mesh, tp_placements, param.shape, root)
     return gather, nn.Parameter(sharded, requires_grad=param.requires_grad)
-
-
-def _concatenate_meshes(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, fqn: str) -> DeviceMesh:
-    try:
-        return concatenate_meshes([dp_mesh, tp_mesh])
-    except RuntimeError as e:
-        if "different device mesh" not in str(e) and "overlapping" not in str(e):
-            raise
-        raise ValueError(
-            f"TP parameter {fqn!r} lives on mesh {tp_mesh}, which is not a sub-mesh of the "
-            f"device mesh the data-parallel mesh {dp_mesh} comes from; build both from one "
-            "init_device_mesh, e.g. mesh = init_device_mesh(..., mesh_dim_names=('dp', 'tp'))"
-        ) from None
-
-
-def _strided_if_needed(dp: Placement, tp_mesh: DeviceMesh, tp_placements) -> Placement:
-    """FSDP shards the TP-local tensor; when TP already shards that dim, say so."""
-    if not isinstance(dp, Shard):
-        return dp
-    split = math.prod(
-        tp_mesh.size(i) for i, p in enumerate(tp_placements) if isinstance(p, Shard) and p.dim == dp.dim
-    )
-    return StridedShard(dp.dim, split_factor=split) if split > 1 else dp

@@ -39,7 +39,8 @@ import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
 from ._api import MixedPrecisionPolicy, OverlapPolicy
-from ._bucket import Bucket, scoped
+from ._bucket import Bucket
+from ._scopes import scoped
 from ._compiled import watch_compiles
 from ._class_swap import register_kind, swap_class
 from ._collectives import Reducer

@@ -120,7 +120,7 @@ def test_entry_points_are_the_tools():
 
 # No file over ~400 lines (issue 21's house rule). These are over it today, each at most
 # its present size until it is split; the list only shrinks.
-OVER_400 = {"fsdptag/_tag.py": 474, "fsdptag/_bucket.py": 490, "fsdptag/debug.py": 512,
+OVER_400 = {"fsdptag/_tag.py": 474, "fsdptag/_bucket.py": 480, "fsdptag/debug.py": 512,
             "fsdptag/tools/plan.py": 423}
 
 

@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 import fsdptag
 from fsdptag._prefetch import is_served
 from fsdptag import FSDPTaggedTensor
-from fsdptag._bucket import open_scopes
+from fsdptag._scopes import open_scopes
 from fsdptag._state import module_state
 from fsdptag.debug import CollectiveCounter, LiveStorageTracker
 
