@@ -69,7 +69,8 @@ from ._api import MixedPrecisionPolicy
 from ._compat import contiguous_strides, is_compiling
 from ._context import in_inference
 from ._keep import KeptGather, Keeper, ServeAllGather
-from ._tag import FSDPTag, alias, check_unchanged, refuse_in_place, tag_shard, untag
+from ._handout import alias, check_unchanged, refuse_in_place, tag_shard, untag
+from ._tag import FSDPTag
 
 if TYPE_CHECKING:
     from ._bucket import Bucket

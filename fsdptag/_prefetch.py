@@ -12,7 +12,7 @@ in flight at a time per direction (``OverlapPolicy.all_gathers``: k issues the k
 buckets that gather next); each costs one more gathered bucket alive, as FSDP2's
 prefetch does. On gloo the wait blocks the CPU either way: there the effect shows in
 the dispatch-order timeline of ``CollectiveCounter`` (Note [Compute in flight] in
-``debug.py``), not in step times.
+``fsdptag/debug/counter.py``), not in step times.
 
 * Forward: the next bucket is the one that gathered after this one in the previous
   forward (the first forward takes the buckets in module order). A prefetched

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator
 
 from ._context import sac_region
-from ._tag import check_unchanged
+from ._handout import check_unchanged
 
 if TYPE_CHECKING:
     from ._bucket import Bucket

@@ -28,37 +28,19 @@ view / alias ops             DTensor unpads with ``narrow``/``slice``, splits fo
 Every other op (``mm``, ``add``, ``layer_norm``, ...) is real compute: its
 outputs are returned as plain tensors, so the tag never leaks into activations,
 the loss, gradients or optimizer state. At the end of the path compute gets a
-plain tensor whose storage carries the tag (Note [Marked handout]); its views
+plain tensor whose storage carries the tag (Note [Marked handout] in ``_handout.py``); its views
 (``w.t()``) are tagged through it. The tag's decision fields are static
 per parameter, hence identical on every rank (rank independence).
 
 The stored parameter itself is never tagged: the parametrization wraps the
 local shard at the access boundary with a differentiable :func:`tag_shard`,
 whose backward returns a plain gradient.
-
-Note [Marked handout]
----------------------
-The subclass follows the FSDP ops, which make new storage (cast, pad, gather,
-copy-out). What the parametrization hands to compute is the plain tensor inside
-the last of them, *marked*: the tag is an attribute of its storage
-(:func:`mark_gathered`; torch keeps one Python object per storage), which every
-view of it shares: ``w.t()``, ``w.view(...)``, and the views DTensor takes on TP
-local tensors inside its dispatch, where ``_base`` is not tracked. So
-:func:`get_fsdp_tag` and the checkpoint policy see every view of a gathered
-parameter as tagged, while compute on it (``t()``, ``mm``, their
-backward, SAC's ``detach`` of saved tensors) runs without subclass dispatch: at
-dim 128 that was ~130 of ~195 tagged dispatches per step. Compute outputs have
-new, unmarked storage. Marks are rank-independent like tags (set on the same
-tensor on every rank) and die with the gathered storage, which is never the
-stored shard's: a parameter that needs no copy (DDP without a cast, or a shard
-dim of size 1) is handed out unmarked, as the stored tensor itself, since no
-FSDP op ran and there is nothing to save or recompute.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -69,8 +51,7 @@ from ._compat import AsyncCollectiveTensor, set_alias_storage
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
-__all__ = ["FSDPTag", "FSDPTaggedTensor", "is_fsdp_tagged", "get_fsdp_tag", "mark_gathered", "output_tag",
-           "tag_shard"]
+__all__ = ["FSDPTag", "FSDPTaggedTensor", "is_fsdp_tagged", "get_fsdp_tag", "mark_gathered", "output_tag"]
 
 
 @dataclass(frozen=True)
@@ -151,15 +132,6 @@ def in_place_error(fqn: str, what: str) -> RuntimeError:
         "temporary, so the change would be lost; modify the stored parameter inside "
         "`with fsdptag.disable_active_parametrization():`."
     )
-
-
-def check_unchanged(handouts: Iterable[tuple[torch.Tensor | None, int, str]]) -> None:
-    """Raise :func:`in_place_error` for the first ``(tensor, version when handed out,
-    fqn)`` whose tensor is alive and changed since: compute's plain handouts cannot
-    refuse in-place ops themselves (Note [Marked handout])."""
-    for t, version, fqn in handouts:
-        if t is not None and t._version != version:
-            raise in_place_error(fqn, "an in-place op during forward")
 
 
 # ---------------------------------------------------------------- unwrapping
@@ -412,63 +384,3 @@ def is_fsdp_tagged(t: Any) -> bool:
         (True, True, False)
     """
     return get_fsdp_tag(t) is not None
-
-
-class _TagShard(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, shard: torch.Tensor, tag: FSDPTag) -> torch.Tensor:
-        return FSDPTaggedTensor(shard.detach(), tag)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        if isinstance(grad, FSDPTaggedTensor):
-            grad = grad._elem
-        return grad, None
-
-
-def tag_shard(shard: torch.Tensor, tag: FSDPTag) -> torch.Tensor:
-    """Differentiably wrap a parameter's local shard in an ``FSDPTaggedTensor``.
-
-    Gradients flow through unchanged and come back plain.
-    """
-    return _TagShard.apply(shard, tag)
-
-
-class _Handout(torch.autograd.Function):
-    """Identity for autograd (gradients pass through) that turns a gather's result into
-    what compute gets: a tagged tensor becomes its marked plain inner tensor (Note
-    [Marked handout]); the result is a view made here, which autograd refuses to change
-    in place while grad is on, or, with ``view=False``, an alias that is no view."""
-
-    @staticmethod
-    def forward(ctx, t: torch.Tensor, view: bool) -> torch.Tensor:
-        if type(t) is FSDPTaggedTensor:
-            t = mark_gathered(t._elem, t.tag)
-        return t.view_as(t) if view else t.detach()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        kept = getattr(ctx, "kept", None)  # a zero2 gather kept for a recompute (_keep.py)
-        if kept is not None:
-            kept.release()
-            ctx.kept = None
-        return grad, None
-
-
-def untag(gathered: FSDPTaggedTensor) -> torch.Tensor:
-    """Differentiably unwrap the last tagged tensor of a gather into the marked plain
-    tensor compute receives (Note [Marked handout])."""
-    return _Handout.apply(gathered, True)
-
-
-def refuse_in_place(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a view returned by a custom Function: autograd refuses in-place ops on
-    it while grad is on (for handouts that are not such a view already, e.g. DTensors)."""
-    return _Handout.apply(t, True)
-
-
-def alias(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as an alias that autograd does not treat as a view, so an in-place op on it
-    (a stored DDP parameter handed out without a copy) reaches the stored parameter, as
-    ``with torch.no_grad(): module.weight.clamp_(...)`` does in plain DDP."""
-    return _Handout.apply(t, False)

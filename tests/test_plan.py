@@ -104,7 +104,7 @@ def test_time_proxy_of_partial_reshard():
     rates = planner.Rates(bandwidth=100.0, partial_bandwidth=300.0)
     comm, _ = planner.time_proxy(e, rates)
     assert comm == 800 * 15 / 16 / 100 + 800 * 3 / 4 / 300
-    assert planner._reshard("zero3@4", None) == 4
+    assert planner.reshard_of("zero3@4", None) == 4
 
 
 def test_time_proxy_is_explicit():

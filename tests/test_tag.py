@@ -13,7 +13,8 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fsdptag import FSDPTag, FSDPTaggedTensor, get_fsdp_tag, is_fsdp_tagged
-from fsdptag._tag import TAG_KEEPING_OPS, first_tag, mark_gathered, tag_shard, untag
+from fsdptag._handout import tag_shard, untag
+from fsdptag._tag import TAG_KEEPING_OPS, first_tag, mark_gathered
 
 TAG = FSDPTag("layers.0.weight", True)
 

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib
 import json
 import re
 import sys
@@ -52,17 +51,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from .._blocks import find_blocks
 from .estimate import (AC_MODES, MemoryEstimate, ModelSpec, StepConfig, add_model_args, complete_spec,
                        estimate_each, model_spec, spec_from_args)
+from .report import format_plan, label, plot, pyplot, reshard_of, size
 
-__all__ = ["ZERO_MODES", "Candidate", "Plan", "Rates", "Row", "format_plan", "keep_last_policy", "parse_bytes", "plan",
+__all__ = ["ZERO_MODES", "Candidate", "Plan", "Rates", "Row", "format_plan", "plot", "keep_last_policy", "parse_bytes", "plan",
            "time_proxy"]
 
 ZERO_MODES = ("zero2", "zero3", "zero3-keep-last", "zero3@k")
-_AC_CALLS = {
-    "none": None,
-    "full": 'fsdptag.apply_ac(model, "full")',
-    "selective": 'fsdptag.apply_ac(model, "selective")',
-    "layer": 'fsdptag.apply_ac(model, "selective", layer_every=2)',
-}
 
 
 @dataclass(frozen=True)
@@ -158,12 +152,6 @@ def keep_last_policy(model: nn.Module) -> dict[str, bool]:
     return {"": True, **({blocks[-1][0]: False} if blocks else {}), **dict.fromkeys(outside, False)}
 
 
-def _reshard(zero: str, keep_last: dict[str, bool] | None):
-    if zero.startswith("zero3@"):  # partial reshard over k ranks (Note [Partial reshard])
-        return int(zero.removeprefix("zero3@"))
-    return {"zero2": False, "zero3": True}.get(zero, keep_last)
-
-
 def plan(model: str | ModelSpec | Callable[[], nn.Module], world_size: int, memory_bytes: int, *,
          tp: Sequence[int] = (1,), batch: Sequence[int] = (1,), ac: Sequence[str] = AC_MODES,
          rates: Rates = Rates(), seq_len: int | None = None,
@@ -216,7 +204,7 @@ def _sweep(spec: ModelSpec, p: Plan, tp: int, batches, acs, progress, partial=()
     """zero2 and zero3 for every (AC, batch) at one TP degree, then zero3-keep-last where
     it can be on the Pareto set: zero2 (faster, no backward gathers) does not fit, zero3 does."""
     def run(candidates: list[Candidate]) -> list[Row]:
-        configs = [StepConfig(c.tp, 1, _reshard(c.zero, p.keep_last), c.ac, "bf16", c.batch, "tagged")
+        configs = [StepConfig(c.tp, 1, reshard_of(c.zero, p.keep_last), c.ac, "bf16", c.batch, "tagged")
                    for c in candidates]
         rows = []
         for c, e in zip(candidates, estimate_each(spec, p.world_size, configs) if configs else ()):
@@ -259,110 +247,8 @@ def parse_bytes(text: str, unit: str = "B") -> float:
     return value
 
 
-def _flops(n: float) -> str:
-    for unit, scale in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n:.0f} FLOP"
-
-
-def _size(n: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} B"
-
-
-def _label(c: Candidate) -> str:
-    return f"{c.zero} {c.ac} TP{c.tp} b{c.batch}"
-
-
-def format_rows(rows: list[Row]) -> str:
-    head = ("| # | zero | AC | TP | batch | peak | FSDP collectives | TP collectives | compute (recompute) | "
-            "comm ms | compute ms | GPU-us/token |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for i, r in enumerate(rows, 1):
-        c, e = r.candidate, r.estimate
-        fsdp = (e.fsdp_all_gather_bytes + e.fsdp_reduce_scatter_bytes + e.fsdp_all_reduce_bytes)
-        tp = e.tp_all_gather_bytes + e.tp_reduce_scatter_bytes + e.tp_all_reduce_bytes
-        flops = e.forward_flops + e.backward_flops + e.recompute_flops
-        lines.append(f"| {i} | {c.zero} | {c.ac} | {c.tp} | {c.batch} | {_size(e.peak_bytes)} | {_size(fsdp)} | "
-                     f"{_size(tp)} | {_flops(flops)} ({_flops(e.recompute_flops)}) | {1e3 * r.comm_s:.4g} | "
-                     f"{1e3 * r.compute_s:.4g} | {r.us_per_token:.4g} |")
-    return "\n".join(lines)
-
-
-def calls(p: Plan, r: Row) -> str:
-    """The setup of row ``r``: mesh, TP plan, ``parametrize``, ``apply_ac``."""
-    c = r.candidate
-    dp = p.world_size // c.tp
-    if c.tp > 1:
-        lines = [f'mesh = init_device_mesh("cuda", ({dp}, {c.tp}), mesh_dim_names=("dp", "tp"))',
-                 f'{p.tp_plan}(model, mesh["tp"])']
-    else:
-        lines = [f'mesh = init_device_mesh("cuda", ({dp},), mesh_dim_names=("dp",))']
-    reshard = _reshard(c.zero, p.keep_last)
-    lines.append(f"fsdptag.parametrize(model, mesh, reshard_after_forward={reshard!r}, "
-                 "mp_policy=fsdptag.MixedPrecisionPolicy(torch.bfloat16, torch.float32))")
-    if _AC_CALLS[c.ac]:
-        lines.append(_AC_CALLS[c.ac])
-    lines.append(f"# batch: {c.batch} x {r.estimate.seq_len} tokens per data-parallel rank")
-    return "\n".join(lines)
-
-
-def format_plan(p: Plan, show_all: bool = False) -> str:
-    fitting = sum(r.fits for r in p.rows)
-    out = [f"Pareto set: {len(p.pareto)} of {fitting} configurations that fit in {_size(p.memory_bytes)} "
-           f"({len(p.rows) - fitting} do not), fastest first", "", format_rows(p.pareto)]
-    best = p.recommended
-    if best is not None:
-        out += ["", f"Recommended ({_label(best.candidate)}, peak {_size(best.estimate.peak_bytes)}):", "",
-                calls(p, best)]
-    else:
-        out += ["", "Nothing fits: try more GPUs, a larger TP degree or a smaller batch."]
-    rejected = sorted((r for r in p.rows if not r.fits), key=lambda r: r.estimate.peak_bytes)
-    if rejected:
-        out += ["", "Closest that does not fit: " + ", ".join(
-            f"{_label(r.candidate)} {_size(r.estimate.peak_bytes)}" for r in rejected[:3])]
-    out += [f"Skipped {s}" for s in p.skipped]
-    if show_all:
-        out += ["", "All configurations, in the order estimated:", "", format_rows(p.rows)]
-    return "\n".join(out)
-
-
-def _pyplot():
-    """matplotlib, an optional dependency: only ``--plot`` needs it."""
-    try:
-        return importlib.import_module("matplotlib.pyplot")
-    except ImportError:
-        raise ImportError("--plot needs matplotlib: pip install matplotlib==3.11.2") from None
-
-
-def plot(p: Plan, path: str) -> None:
-    """Peak memory vs time proxy of every configuration, the Pareto set joined, the budget marked."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for fits, marker in ((True, "o"), (False, "x")):
-        rows = [r for r in p.rows if r.fits == fits]
-        ax.scatter([r.estimate.peak_bytes / 2**30 for r in rows], [r.us_per_token for r in rows], marker=marker,
-                   label="fits" if fits else "does not fit")
-    front = sorted(p.pareto, key=lambda r: r.estimate.peak_bytes)
-    ax.plot([r.estimate.peak_bytes / 2**30 for r in front], [r.us_per_token for r in front], "k--", lw=1,
-            label="Pareto set")
-    for r in p.rows:
-        ax.annotate(_label(r.candidate), (r.estimate.peak_bytes / 2**30, r.us_per_token), fontsize=6)
-    ax.axvline(p.memory_bytes / 2**30, color="r", lw=1, label="memory budget")
-    ax.set_xlabel("peak memory, rank 0 (GiB)")
-    ax.set_ylabel("time proxy (GPU microseconds per token)")
-    ax.set_title(f"{p.model}, world {p.world_size}")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=150)
-    plt.close(fig)
-
-
 def _progress(t0: float, r: Row) -> None:
-    print(f"  {_label(r.candidate)}: {_size(r.estimate.peak_bytes)}, {r.us_per_token:.4g} GPU-us/token "
+    print(f"  {label(r.candidate)}: {size(r.estimate.peak_bytes)}, {r.us_per_token:.4g} GPU-us/token "
           f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
 
 
@@ -397,12 +283,12 @@ def main(argv: list[str] | None = None) -> Plan:
                   parse_bytes(args.partial_bandwidth, "B/s"), parse_bytes(args.device_flops, "FLOP/s"))
     memory = int(parse_bytes(args.memory))
     if args.plot:
-        _pyplot()  # before the sweep, not after it
+        pyplot()  # before the sweep, not after it
     t0, cpu0 = time.perf_counter(), time.process_time()
     p = plan(spec_from_args(args), args.world_size, memory, tp=args.tp, batch=args.batch, ac=args.ac,
              rates=rates, progress=functools.partial(_progress, t0), partial=args.partial_reshard)
     seq = p.rows[0].estimate.seq_len if p.rows else args.seq_len
-    print(f"{p.model}: world {p.world_size}, seq {seq}, memory {_size(memory)} per GPU; time proxy: "
+    print(f"{p.model}: world {p.world_size}, seq {seq}, memory {size(memory)} per GPU; time proxy: "
           f"bytes sent / {rates.bandwidth / 1e9:g} GB/s (data parallel), / {rates.tp_bandwidth / 1e9:g} GB/s (TP) "
           f"+ FLOPs / {rates.device_flops / 1e12:g} TFLOP/s; {len(p.rows)} configurations estimated in "
           f"{time.perf_counter() - t0:.0f} s ({time.process_time() - cpu0:.0f} s CPU)\n")
