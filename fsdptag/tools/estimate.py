@@ -45,7 +45,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Callable, Iterable, Iterator
 
 import torch
@@ -62,6 +62,7 @@ from .._compat import fake_store
 from .._parametrize import parametrize
 from .._plan import reshard_resolver
 from .baselines import apply_baseline_ac
+from .compose import KEEP_LAST, compose, compose_depths, keep_last_of, resolve_reshard
 from .llama import CONFIGS
 from .measure import COLLECTIVE_FIELDS, EagerAliasingWait, OptimizerReuse, measure_step
 from .models import (ModelSpec, builtin_model, complete_spec, factory_model, hf_config_model, hf_tp_plan,
@@ -115,7 +116,8 @@ class MemoryEstimate:
 
 @dataclass(frozen=True)
 class StepConfig:
-    """One configuration to estimate (see :func:`estimate` for the fields)."""
+    """One configuration to estimate (see :func:`estimate` for the fields;
+    ``reshard_after_forward`` may also be ``"keep-last"``: the planner's zero3-keep-last)."""
 
     tp: int = 1
     hsdp_replicas: int = 1
@@ -156,6 +158,7 @@ def build_model(spec: ModelSpec, mesh: DeviceMesh, *, policy: str, reshard: Resh
     else:
         with fake_mode:
             model = spec.build()
+    reshard = resolve_reshard(reshard, model)
     names = mesh.mesh_dim_names
     if "tp" in names:
         tp_plan = spec.tp_plan or own_tp_plan(model)
@@ -190,7 +193,8 @@ def build_model(spec: ModelSpec, mesh: DeviceMesh, *, policy: str, reshard: Resh
 def estimate(model: str | ModelSpec | Callable[[], nn.Module], world_size: int, *, tp: int = 1,
              hsdp_replicas: int = 1, reshard_after_forward: ReshardPolicy, ac: str, mp: str = "bf16",
              seq_len: int | None = None, batch: int = 1, microbatches: int = 1, policies=POLICIES,
-             tp_plan: Callable[[nn.Module, DeviceMesh], None] | None = None) -> list[MemoryEstimate]:
+             tp_plan: Callable[[nn.Module, DeviceMesh], None] | None = None,
+             compose: bool = True) -> list[MemoryEstimate]:
     """Estimate rank 0's memory and cost for each policy on fake tensors (no real allocation).
 
     ``model``: a built-in model's name, ``"pkg.module:factory"``, a callable that builds
@@ -200,7 +204,10 @@ def estimate(model: str | ModelSpec | Callable[[], nn.Module], world_size: int, 
     reduction) or ``"fp32"``; ``batch``: sequences per data-parallel rank and microbatch;
     ``microbatches``: forward+backward passes per optimizer step, all but the last
     without gradient sync (each runs: the estimate's time grows with it);
-    ``tp_plan(model, tp_mesh)``: for ``tp > 1`` when the model has no plan of its own.
+    ``tp_plan(model, tp_mesh)``: for ``tp > 1`` when the model has no plan of its own;
+    ``compose``: measure two shallow copies and compose the other blocks (Note
+    [Composed depth]; the same numbers in a time that does not grow with depth),
+    False runs every block.
 
     Example::
 
@@ -209,12 +216,13 @@ def estimate(model: str | ModelSpec | Callable[[], nn.Module], world_size: int, 
     """
     configs = [StepConfig(tp, hsdp_replicas, reshard_after_forward, ac, mp, batch, p, microbatches)
                for p in policies]
-    return list(estimate_each(model, world_size, configs, seq_len=seq_len, tp_plan=tp_plan))
+    return list(estimate_each(model, world_size, configs, seq_len=seq_len, tp_plan=tp_plan, compose=compose))
 
 
 def estimate_each(model: str | ModelSpec | Callable[[], nn.Module], world_size: int,
                   configs: Iterable[StepConfig], *, seq_len: int | None = None,
-                  tp_plan: Callable[[nn.Module, DeviceMesh], None] | None = None) -> Iterator[MemoryEstimate]:
+                  tp_plan: Callable[[nn.Module, DeviceMesh], None] | None = None,
+                  compose: bool = True) -> Iterator[MemoryEstimate]:
     """:func:`estimate` for several configurations in one fake process group, yielding
     each result as it is done. Everything is validated before the first one runs."""
     configs = list(configs)
@@ -223,7 +231,7 @@ def estimate_each(model: str | ModelSpec | Callable[[], nn.Module], world_size: 
     spec = complete_spec(model_spec(model, seq_len=seq_len, tp_plan=tp_plan), any(c.tp > 1 for c in configs))
     if dist.is_initialized():
         raise RuntimeError("fsdptag.estimate needs to own the process group; call it in a fresh process")
-    return _run(spec, world_size, configs)
+    return _run(spec, world_size, configs, compose)
 
 
 def _check_config(c: StepConfig, world_size: int) -> None:
@@ -233,13 +241,16 @@ def _check_config(c: StepConfig, world_size: int) -> None:
             raise ValueError(f"unknown {name}={value!r}; use one of {choices}")
     if world_size % (c.tp * c.hsdp_replicas):
         raise ValueError(f"world_size={world_size} is not divisible by tp={c.tp} x hsdp_replicas={c.hsdp_replicas}")
+    if isinstance(c.reshard_after_forward, str) and c.reshard_after_forward != KEEP_LAST:
+        raise ValueError(f"reshard_after_forward={c.reshard_after_forward!r}; use a bool, an int K, a dict, "
+                         f"a function or {KEEP_LAST!r}")
     if c.batch < 1:
         raise ValueError(f"batch={c.batch} must be >= 1 (sequences per data-parallel rank)")
     if c.microbatches < 1:
         raise ValueError(f"microbatches={c.microbatches} must be >= 1 (forward+backward per optimizer step)")
 
 
-def _run(spec: ModelSpec, world_size: int, configs: list[StepConfig]) -> Iterator[MemoryEstimate]:
+def _run(spec: ModelSpec, world_size: int, configs: list[StepConfig], can_compose: bool) -> Iterator[MemoryEstimate]:
     dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world_size)
     meshes: dict[tuple[int, int], DeviceMesh] = {}
     reuse = OptimizerReuse()
@@ -248,26 +259,40 @@ def _run(spec: ModelSpec, world_size: int, configs: list[StepConfig]) -> Iterato
             key = (c.tp, c.hsdp_replicas)
             if key not in meshes:
                 meshes[key] = build_mesh("cpu", world_size, c.tp, c.hsdp_replicas)
-            yield _estimate_one(spec, meshes[key], world_size, c, reuse)
+            yield _estimate_one(spec, meshes[key], world_size, c, reuse, can_compose)
     finally:
         dist.destroy_process_group()
 
 
 def _estimate_one(spec: ModelSpec, mesh: DeviceMesh, world_size: int, c: StepConfig,
-                  reuse: OptimizerReuse) -> MemoryEstimate:
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    m = build_model(spec, mesh, policy=c.policy, reshard=c.reshard_after_forward, ac=c.ac, mp=c.mp,
-                    fake_mode=fake_mode)
+                  reuse: OptimizerReuse, can_compose: bool) -> MemoryEstimate:
+    depths = compose_depths(spec.depth, can_compose and spec.at_depth is not None, c.reshard_after_forward, c.ac,
+                            c.policy)
+    if depths is None:
+        numbers = _measure(spec, mesh, c, reuse)
+    else:  # Note [Composed depth]
+        a, b = depths
+        numbers = compose(*(_measure(replace(spec, build=spec.at_depth(n), depth=n), mesh, c, reuse) for n in depths),
+                          a, b, spec.depth)
+    del numbers["phase_peaks"]
     batch, seq_len = c.batch, spec.seq_len
-    with fake_mode, EagerAliasingWait():
-        tokens = torch.randint(0, spec.vocab_size, (batch, seq_len + 1))
-        numbers = measure_step(m, tokens, mesh, reuse, c.microbatches)
     reshard = c.reshard_after_forward
+    if reshard == KEEP_LAST:  # reported for the model estimated
+        reshard = keep_last_of(spec.build)
     return MemoryEstimate(
         policy=c.policy, model=spec.name, world_size=world_size, tp=c.tp, hsdp_replicas=c.hsdp_replicas,
         reshard_after_forward=reshard if isinstance(reshard, (bool, int)) else dict(reshard), ac=c.ac, mp=c.mp,
         seq_len=seq_len, batch=batch, microbatches=c.microbatches, **numbers,
     )
+
+
+def _measure(spec: ModelSpec, mesh: DeviceMesh, c: StepConfig, reuse: OptimizerReuse) -> dict:
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    m = build_model(spec, mesh, policy=c.policy, reshard=c.reshard_after_forward, ac=c.ac, mp=c.mp,
+                    fake_mode=fake_mode)
+    with fake_mode, EagerAliasingWait():
+        tokens = torch.randint(0, spec.vocab_size, (c.batch, spec.seq_len + 1))
+        return measure_step(m, tokens, mesh, reuse, c.microbatches)
 
 
 def _gib(n: int) -> str:
@@ -346,13 +371,15 @@ def main(argv: list[str] | None = None) -> None:
                    help="forward+backward passes per optimizer step, all but the last without gradient sync")
     p.add_argument("--policy", default="all", choices=("all",) + POLICIES)
     p.add_argument("--json", default=None)
+    p.add_argument("--full-depth", action="store_true",
+                   help="run every block instead of composing two shallow copies (the same numbers, slower)")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     results = estimate(
         spec_from_args(args), args.world_size, tp=args.tp, hsdp_replicas=args.hsdp_replicas,
         reshard_after_forward=args.reshard_after_forward, ac=args.ac, mp=args.mp,
         seq_len=args.seq_len, batch=args.batch, microbatches=args.microbatches,
-        policies=POLICIES if args.policy == "all" else (args.policy,),
+        policies=POLICIES if args.policy == "all" else (args.policy,), compose=not args.full_depth,
     )
     r0 = results[0]
     print(f"{r0.model}: world {r0.world_size}, tp {r0.tp}, hsdp replicas {r0.hsdp_replicas}, "

@@ -152,7 +152,9 @@ def measure_step(model, tokens: torch.Tensor, mesh: DeviceMesh | None = None,
     the syncing backward (Note [Accumulation without sync]).
 
     Persistent state (parameters, a warm AdamW state) exists before the step, as
-    in steady-state training, and counts towards the peak.
+    in steady-state training, and counts towards the peak. ``phase_peaks``: the peak
+    of each forward, each backward and the optimizer step, in that order
+    (``peak_bytes`` is their max; Note [Composed depth] composes them one by one).
     """
     stored = list(model.parameters())
     params = [p for p in stored if p.requires_grad]  # frozen weights: no gradient, no AdamW state
@@ -186,32 +188,36 @@ def measure_step(model, tokens: torch.Tensor, mesh: DeviceMesh | None = None,
         with counter, flops, tracker:
             before = _total(tracker.snapshot())
             unsynced = 0
+            phases = []  # the peak of each forward, each backward and the optimizer step
             for i in range(microbatches):
                 last = i == microbatches - 1
                 if microbatches > 1:
                     _set_gradient_sync(model, last)
+                if i:
+                    tracker.peak_bytes = 0
                 logits = _logits(model(tokens[:, :-1]))
                 loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
                 del logits
                 at_forward_end = tracker.snapshot()
+                phases.append(tracker.peak_bytes)
+                tracker.peak_bytes = 0
                 loss.backward()
                 del loss
                 after_backward = tracker.snapshot()
+                phases.append(tracker.peak_bytes)
                 if i == 0:  # what forward keeps for backward: no accumulator is alive yet
                     kept = LiveStorageTracker.kept(at_forward_end, after_backward)
                 if not last:
                     unsynced = _total(after_backward) - before
             grad_bytes = sum(_local_bytes(p.grad) for p in params if p.grad is not None)
-            if reuse is None:
-                optim.step()
-            else:
-                _optimizer_step(optim, params, tracker, after_backward, reuse, key, known)
+            phases.append(_optimizer_step(optim, params, tracker, after_backward, reuse, key, known))
             optim.zero_grad(set_to_none=True)
     finally:
         gc.unfreeze()
         gc.enable()
     return {
-        "peak_bytes": tracker.peak_bytes,
+        "peak_bytes": max(phases),
+        "phase_peaks": tuple(phases),
         "param_bytes": sum(_local_bytes(p) for p in stored),
         "gathered_param_bytes": kept.get("fsdp", 0),
         "grad_bytes": grad_bytes,
@@ -236,16 +242,16 @@ def _set_gradient_sync(model: nn.Module, sync: bool) -> None:
         model.set_requires_gradient_sync(sync)
 
 
-def _optimizer_step(optim, params, tracker: LiveStorageTracker, after_backward: dict, reuse: OptimizerReuse,
-                    key: tuple, known) -> None:
-    """The optimizer step's effect on the peak: run and recorded, or recorded before
+def _optimizer_step(optim, params, tracker: LiveStorageTracker, after_backward: dict,
+                    reuse: OptimizerReuse | None, key: tuple | None, known) -> int:
+    """The optimizer step's peak: run (and recorded for ``reuse``), or recorded before
     (Note [Optimizer reuse]). Nothing is freed between the snapshot and the step."""
     start = _total(after_backward)
     if known is not None:
-        tracker.peak_bytes = max(tracker.peak_bytes, start + known[1])
-        return
-    before, tracker.peak_bytes = tracker.peak_bytes, 0
+        return start + known[1]
+    tracker.peak_bytes = 0
     optim.step()
     rise = max(tracker.peak_bytes - start, 0)
-    tracker.peak_bytes = max(before, tracker.peak_bytes)
-    reuse.known[key] = (OptimizerReuse.layout(optim, params), rise)
+    if reuse is not None:
+        reuse.known[key] = (OptimizerReuse.layout(optim, params), rise)
+    return start + rise

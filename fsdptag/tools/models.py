@@ -31,7 +31,10 @@ class ModelSpec:
     see :func:`own_tp_plan`), ``init_weights(model)`` initializes a real one.
     ``vocab_size`` defaults to the input embedding's size, ``seq_len`` to the model's
     max (``config.max_position_embeddings`` or ``cfg.max_seq_len``), at most 8192.
-    Its repeated blocks are found as ``apply_ac`` finds them (Note [Blocks])."""
+    Its repeated blocks are found as ``apply_ac`` finds them (Note [Blocks]).
+    ``depth`` (the number of blocks) and ``at_depth(n)`` (a ``build`` for the same
+    model with ``n`` blocks) let an estimate measure two shallow copies and compose
+    the rest (Note [Composed depth]); without them every block runs."""
 
     name: str
     build: Callable[[], nn.Module]
@@ -39,6 +42,8 @@ class ModelSpec:
     seq_len: int | None = None
     tp_plan: Callable[[nn.Module, DeviceMesh], None] | None = None
     init_weights: Callable[[nn.Module], None] | None = None
+    depth: int | None = None
+    at_depth: Callable[[int], Callable[[], nn.Module]] | None = None
 
 
 def builtin_model(name: str, seq_len: int | None = None) -> ModelSpec:
@@ -50,7 +55,12 @@ def builtin_model(name: str, seq_len: int | None = None) -> ModelSpec:
     cfg = CONFIGS[name]
     seq_len = seq_len or min(cfg.max_seq_len, MAX_DEFAULT_SEQ)
     cfg = cfg.with_(max_seq_len=max(seq_len, 1))
-    return ModelSpec(name, functools.partial(Llama, cfg), cfg.vocab_size, seq_len, apply_tp, Llama.init_weights)
+    return ModelSpec(name, functools.partial(Llama, cfg), cfg.vocab_size, seq_len, apply_tp, Llama.init_weights,
+                     cfg.n_layers, functools.partial(_llama_at_depth, cfg))
+
+
+def _llama_at_depth(cfg, n_layers: int) -> Callable[[], nn.Module]:
+    return functools.partial(Llama, cfg.with_(n_layers=n_layers))
 
 
 def factory_model(factory: Callable[[], nn.Module], *, name: str | None = None, seq_len: int | None = None,

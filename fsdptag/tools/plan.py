@@ -45,10 +45,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
 
-from .._blocks import find_blocks
+from .compose import KEEP_LAST, keep_last_of, keep_last_policy
 from .estimate import (AC_MODES, MemoryEstimate, ModelSpec, StepConfig, add_model_args, complete_spec,
                        estimate_each, model_spec, spec_from_args)
 from .report import format_plan, label, plot, pyplot, reshard_of, size
@@ -140,26 +139,16 @@ def time_proxy(e: MemoryEstimate, rates: Rates = Rates()) -> tuple[float, float]
     return comm, (e.forward_flops + e.backward_flops + e.recompute_flops) / rates.device_flops
 
 
-def keep_last_policy(model: nn.Module) -> dict[str, bool]:
-    """zero3-keep-last's ``reshard_after_forward``: zero3, but the last block (backward
-    starts with it) and the modules outside blocks (the output projection: backward's
-    first gather) stay gathered, as FSDP2 and torchtitan do by default."""
-    blocks = find_blocks(model)
-    inside = {fqn for fqn, _ in blocks}
-    outside = [fqn for fqn, m in model.named_modules()
-               if fqn and any(True for _ in m.parameters(recurse=False))
-               and not any(fqn == b or fqn.startswith(b + ".") for b in inside)]
-    return {"": True, **({blocks[-1][0]: False} if blocks else {}), **dict.fromkeys(outside, False)}
-
-
 def plan(model: str | ModelSpec | Callable[[], nn.Module], world_size: int, memory_bytes: int, *,
          tp: Sequence[int] = (1,), batch: Sequence[int] = (1,), ac: Sequence[str] = AC_MODES,
          rates: Rates = Rates(), seq_len: int | None = None,
          tp_plan: Callable[[nn.Module, DeviceMesh], None] | None = None,
-         progress: Callable[[Row], None] | None = None, partial: Sequence[int] = ()) -> Plan:
+         progress: Callable[[Row], None] | None = None, partial: Sequence[int] = (),
+         compose: bool = True) -> Plan:
     """Estimate every configuration (module docstring) and mark the Pareto set.
     ``partial``: k values of ``reshard_after_forward=k`` to try ("zero3@k") where zero3
-    fits and zero2 does not.
+    fits and zero2 does not. ``compose``: as :func:`fsdptag.estimate.estimate` (two
+    shallow copies measured, the other blocks composed: Note [Composed depth]).
 
     A TP degree whose estimate raises ``ValueError`` (no TP plan, heads not divisible,
     world size not divisible) is skipped with the reason in ``Plan.skipped``.
@@ -172,12 +161,10 @@ def plan(model: str | ModelSpec | Callable[[], nn.Module], world_size: int, memo
     """
     _check(world_size, memory_bytes, tp, batch, ac)
     spec = complete_spec(model_spec(model, seq_len=seq_len, tp_plan=tp_plan))
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        keep_last = keep_last_policy(spec.build())
-    result = Plan(spec.name, world_size, memory_bytes, rates, [], keep_last=keep_last)
+    result = Plan(spec.name, world_size, memory_bytes, rates, [], keep_last=keep_last_of(spec.build))
     for degree in tp:
         try:
-            result.rows += _sweep(spec, result, degree, batch, ac, progress, partial)
+            result.rows += _sweep(spec, result, degree, batch, ac, progress, partial, compose)
         except ValueError as e:
             result.skipped.append(f"tp={degree}: {e}")
             continue
@@ -200,14 +187,14 @@ def _check(world_size: int, memory_bytes: int, tp, batch, ac) -> None:
         raise ValueError(f"memory={memory_bytes} B, world_size={world_size}: both must be positive")
 
 
-def _sweep(spec: ModelSpec, p: Plan, tp: int, batches, acs, progress, partial=()) -> list[Row]:
+def _sweep(spec: ModelSpec, p: Plan, tp: int, batches, acs, progress, partial=(), compose=True) -> list[Row]:
     """zero2 and zero3 for every (AC, batch) at one TP degree, then zero3-keep-last where
     it can be on the Pareto set: zero2 (faster, no backward gathers) does not fit, zero3 does."""
     def run(candidates: list[Candidate]) -> list[Row]:
-        configs = [StepConfig(c.tp, 1, reshard_of(c.zero, p.keep_last), c.ac, "bf16", c.batch, "tagged")
+        configs = [StepConfig(c.tp, 1, reshard_of(c.zero, KEEP_LAST), c.ac, "bf16", c.batch, "tagged")
                    for c in candidates]
         rows = []
-        for c, e in zip(candidates, estimate_each(spec, p.world_size, configs) if configs else ()):
+        for c, e in zip(candidates, estimate_each(spec, p.world_size, configs, compose=compose) if configs else ()):
             comm, compute = time_proxy(e, p.rates)
             rows.append(Row(c, e, comm, compute, e.peak_bytes <= p.memory_bytes))
             if progress is not None:
@@ -278,6 +265,8 @@ def main(argv: list[str] | None = None) -> Plan:
     ap.add_argument("--plot", default=None, metavar="OUT.png", help="memory vs time proxy (needs matplotlib)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--all", action="store_true", help="also print every configuration")
+    ap.add_argument("--full-depth", action="store_true",
+                    help="run every block of every estimate instead of composing (the same numbers, slower)")
     args = ap.parse_args(argv)
     rates = Rates(parse_bytes(args.bandwidth, "B/s"), parse_bytes(args.tp_bandwidth, "B/s"),
                   parse_bytes(args.partial_bandwidth, "B/s"), parse_bytes(args.device_flops, "FLOP/s"))
@@ -286,7 +275,8 @@ def main(argv: list[str] | None = None) -> Plan:
         pyplot()  # before the sweep, not after it
     t0, cpu0 = time.perf_counter(), time.process_time()
     p = plan(spec_from_args(args), args.world_size, memory, tp=args.tp, batch=args.batch, ac=args.ac,
-             rates=rates, progress=functools.partial(_progress, t0), partial=args.partial_reshard)
+             rates=rates, progress=functools.partial(_progress, t0), partial=args.partial_reshard,
+             compose=not args.full_depth)
     seq = p.rows[0].estimate.seq_len if p.rows else args.seq_len
     print(f"{p.model}: world {p.world_size}, seq {seq}, memory {size(memory)} per GPU; time proxy: "
           f"bytes sent / {rates.bandwidth / 1e9:g} GB/s (data parallel), / {rates.tp_bandwidth / 1e9:g} GB/s (TP) "
