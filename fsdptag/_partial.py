@@ -67,8 +67,16 @@ def _k_group(group_name: str, k: int) -> tuple[str, int]:
 
 
 def partial_groups() -> dict[str, tuple[str, int]]:
-    """Each ``k``-group this process created: its name -> (the shard group's name, k)."""
-    return {sub: key for key, (_, sub, _) in _GROUPS.items()}
+    """Each ``k``-group of a live process group: its name -> (the shard group's name, k)."""
+    out = {}
+    for key, (group, sub, _) in _GROUPS.items():
+        try:
+            alive = resolve_group(key[0]) is group
+        except Exception:  # destroyed: its name resolves to nothing
+            alive = False
+        if alive:
+            out[sub] = key
+    return out
 
 
 class PartialReshard:

@@ -78,7 +78,7 @@ MUTANTS = [
     Mutant("param-reduce-param-dtype", "per-parameter gather reduces gradients in param_dtype",
            "fsdptag/_param.py", "backward_dtype=self.reduce_dtype,", "backward_dtype=self.param_dtype,", (PARAM,)),
     Mutant("estimate-short-tokens", "estimator builds seq_len tokens instead of seq_len + 1 (one short)",
-           "fsdptag/tools/estimate.py", "(batch, seq_len + 1))", "(batch, seq_len))", (EST,)),
+           "fsdptag/tools/estimate.py", "(c.batch, spec.seq_len + 1))", "(c.batch, spec.seq_len))", (EST,)),
     Mutant("estimate-split-swapped", "estimator reports kept TP-collective and cast bytes swapped",
            "fsdptag/tools/measure.py",
            '"kept_collective_bytes": kept.get("collective", 0),\n        "kept_cast_bytes": kept.get("cast", 0),',
