@@ -72,7 +72,7 @@ def partial_groups() -> dict[str, tuple[str, int]]:
     for key, (group, sub, _) in _GROUPS.items():
         try:
             alive = resolve_group(key[0]) is group
-        except Exception:  # destroyed: its name resolves to nothing
+        except RuntimeError:  # destroyed: its name resolves to nothing
             alive = False
         if alive:
             out[sub] = key

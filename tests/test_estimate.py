@@ -194,13 +194,13 @@ def test_composed_depth_equals_full_run():
 def test_what_composes():
     """Which depths an estimate measures (Note [Composed depth]); None: every block runs."""
     from fsdptag.tools.compose import compose_depths
-    assert compose_depths(32, True, False, "full") == (2, 3)
-    assert compose_depths(32, True, False, "full", "fsdp2") == (3, 4)
-    assert compose_depths(32, True, "keep-last", "layer") == (4, 6)  # every second block checkpointed
-    assert compose_depths(31, True, True, "layer") == (3, 5)
-    assert compose_depths(31, True, 2, "layer", "fsdp2") == (3, 5)
-    for args in [(3, True, False, "full"), (32, False, False, "full"), (None, True, False, "full"),
-                 (32, True, {"layers.0": False}, "none"), (32, True, lambda fqn, m: True, "none")]:
+    assert compose_depths(32, False, "full") == (2, 3)
+    assert compose_depths(32, False, "full", "fsdp2") == (3, 4)
+    assert compose_depths(32, "keep-last", "layer") == (4, 6)  # every second block checkpointed
+    assert compose_depths(31, True, "layer") == (3, 5)
+    assert compose_depths(31, 2, "layer", "fsdp2") == (3, 5)
+    for args in [(3, False, "full"), (None, False, "full"), (32, {"layers.0": False}, "none"),
+                 (32, lambda fqn, m: True, "none")]:
         assert compose_depths(*args) is None, args
 
 

@@ -40,7 +40,7 @@ def resolve_reshard(reshard: Any, model: nn.Module) -> Any:
     return keep_last_policy(model) if reshard == KEEP_LAST else reshard
 
 
-def compose_depths(depth: int | None, can_compose: bool, reshard_after_forward: Any, ac: str,
+def compose_depths(depth: int | None, reshard_after_forward: Any, ac: str,
                    policy: str = "tagged") -> tuple[int, int] | None:
     """The two depths to measure for a ``depth``-block model, or None to run every block.
 
@@ -64,17 +64,15 @@ def compose_depths(depth: int | None, can_compose: bool, reshard_after_forward: 
     root which leaves the last block gathered under zero3), so ``a`` >= 2, and >= 3
     for FSDP2 and for keep-last, whose last block stays gathered: at depth 2 their
     peaks are off the line (measured: FSDP2 zero3, keep-last with selective AC).
-    From there on every count of the built-in Llama is on the line: tests/
-    test_estimate.py compares composed and full runs byte for byte (45
-    configurations at depths 7 and 8 checked by hand, a subset in the suite), and
-    docs/estimates.md a llama3-8b sweep. Per-module settings (``reshard_after_forward`` as a
+    From there on every count of the built-in Llama is on the line, byte for byte:
+    ``benchmarks/compose_check.py`` (45 configurations at depths 7 and 8),
+    tests/test_estimate.py (5 of them), docs/estimates.md (a llama3-8b sweep). Per-module settings (``reshard_after_forward`` as a
     dict or a function) name blocks by position, so those run every block, as do
     models without ``ModelSpec.at_depth`` and models not deeper than ``a + p``;
     :data:`KEEP_LAST` (the planner's zero3-keep-last) names the last block of
     whichever copy is built, so it composes.
     """
-    if depth is None or not can_compose or not (isinstance(reshard_after_forward, (bool, int))
-                                                or reshard_after_forward == KEEP_LAST):
+    if depth is None or not (isinstance(reshard_after_forward, (bool, int)) or reshard_after_forward == KEEP_LAST):
         return None
     period = 2 if ac == "layer" else 1
     start = COMPOSE_FROM + (policy == "fsdp2" or reshard_after_forward == KEEP_LAST)

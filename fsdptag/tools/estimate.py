@@ -266,8 +266,8 @@ def _run(spec: ModelSpec, world_size: int, configs: list[StepConfig], can_compos
 
 def _estimate_one(spec: ModelSpec, mesh: DeviceMesh, world_size: int, c: StepConfig,
                   reuse: OptimizerReuse, can_compose: bool) -> MemoryEstimate:
-    depths = compose_depths(spec.depth, can_compose and spec.at_depth is not None, c.reshard_after_forward, c.ac,
-                            c.policy)
+    depths = compose_depths(spec.depth, c.reshard_after_forward, c.ac, c.policy) \
+        if can_compose and spec.at_depth is not None else None
     if depths is None:
         numbers = _measure(spec, mesh, c, reuse)
     else:  # Note [Composed depth]

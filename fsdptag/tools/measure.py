@@ -189,22 +189,24 @@ def measure_step(model, tokens: torch.Tensor, mesh: DeviceMesh | None = None,
             before = _total(tracker.snapshot())
             unsynced = 0
             phases = []  # the peak of each forward, each backward and the optimizer step
+
+            def phase_ends() -> None:  # the next phase's peak starts from its first allocation
+                phases.append(tracker.peak_bytes)
+                tracker.peak_bytes = 0
+
             for i in range(microbatches):
                 last = i == microbatches - 1
                 if microbatches > 1:
                     _set_gradient_sync(model, last)
-                if i:
-                    tracker.peak_bytes = 0
                 logits = _logits(model(tokens[:, :-1]))
                 loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
                 del logits
                 at_forward_end = tracker.snapshot()
-                phases.append(tracker.peak_bytes)
-                tracker.peak_bytes = 0
+                phase_ends()
                 loss.backward()
                 del loss
                 after_backward = tracker.snapshot()
-                phases.append(tracker.peak_bytes)
+                phase_ends()
                 if i == 0:  # what forward keeps for backward: no accumulator is alive yet
                     kept = LiveStorageTracker.kept(at_forward_end, after_backward)
                 if not last:

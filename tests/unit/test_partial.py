@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from expecttest import assert_expected_inline
 from torch.distributed.device_mesh import init_device_mesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdptag
-from fsdptag._partial import partial_groups
+from fsdptag._partial import PartialReshard, partial_groups
 from fsdptag._state import module_state
 from fsdptag.debug import CollectiveCounter
 from tests.models import make_net
@@ -78,3 +80,15 @@ def test_bad_k(fake_pg):
         with pytest.raises(error, match=text):
             fsdptag.parametrize(model, mesh, **kwargs)
         assert not fsdptag.is_parametrized(model)
+
+
+def test_partial_groups_of_a_destroyed_process_group_are_gone():
+    """A k-group lives as long as its process group: one left from an earlier process
+    group (an estimate run in this process) is not listed, so counters do not label by it."""
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        sub = PartialReshard(2, 4, dist.group.WORLD.group_name).group_name
+        assert partial_groups()[sub][1] == 2
+    finally:
+        dist.destroy_process_group()
+    assert sub not in partial_groups()
