@@ -23,6 +23,8 @@ SAC's error texts (``SAC_REPLAY_ERRORS``)           to re-raise replay failures 
 ``placement_types._StridedShard``                   FSDP sharding a dim TP already shards
 ``_functional_collectives.AsyncCollectiveTensor``  the all-gather output before its wait;
 ``_maybe_wrap_tensor``                              a gradient whose reduction is still in flight
+``_functional_collectives._are_we_tracing``        replaced while estimating (``fakes_run_eager``):
+``proxy_tensor.get_proxy_mode``                     fake collectives wait at first use, as real ones
 ``DTensor._local_tensor`` (written)                 bound bucket storage; a gradient's local
                                                    tensor unwrapped once its reduction is done
 ``_python_dispatch`` mode stack pop / push          an all-gather issued ahead inside a SAC
@@ -79,7 +81,9 @@ import torch._functorch.partitioners as partitioners
 from torch._functorch._aot_autograd import graph_compile
 from torch._prims_common import make_contiguous_strides_for
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+import torch.distributed._functional_collectives as _funcol
 from torch.distributed._functional_collectives import AsyncCollectiveTensor, _maybe_wrap_tensor
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -101,6 +105,7 @@ __all__ = [
     "apply_to_tensors",
     "at_backward_end",
     "lazy_wait",
+    "fakes_run_eager",
     "replace_local",
     "sac_hidden",
     "concatenate_meshes",
@@ -298,9 +303,25 @@ def sac_hidden():
             _push_mode(mode)
 
 
+def _eager_are_we_tracing() -> bool:  # torch's, without its "a fake mode is on" guess
+    return (torch.compiler.is_compiling() or get_proxy_mode() is not None
+            or torch._C._dispatch_tls_is_dispatch_key_included(torch._C.DispatchKey.PythonDispatcher))
+
+
+@contextlib.contextmanager
+def fakes_run_eager():
+    """Within: fake collectives wait at first use as real ones do (torch waits at once
+    under any fake mode, taking it for a trace): estimates see a real run's waits."""
+    saved, _funcol._are_we_tracing = _funcol._are_we_tracing, _eager_are_we_tracing
+    try:
+        yield
+    finally:
+        _funcol._are_we_tracing = saved
+
+
 def lazy_wait(t: torch.Tensor) -> torch.Tensor:
     """An issued collective's output, waited at its first use (an AsyncCollectiveTensor;
-    waited now when tracing or on fake tensors), as DTensor hands out its results."""
+    now when tracing or on fakes, but see :func:`fakes_run_eager`), as DTensor does."""
     return _maybe_wrap_tensor(t)
 
 

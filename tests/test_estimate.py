@@ -149,7 +149,7 @@ def test_cli_writes_json(tmp_path, capsys):
 
 COST_FIELDS = ("fsdp_all_gather_bytes", "fsdp_reduce_scatter_bytes", "fsdp_all_reduce_bytes",
                "tp_all_gather_bytes", "tp_reduce_scatter_bytes", "tp_all_reduce_bytes",
-               "other_collective_bytes", "forward_flops", "backward_flops", "recompute_flops")
+               "other_collective_bytes", "forward_flops", "backward_flops", "recompute_flops", "timeline")
 
 
 def tiny_llama():
@@ -353,7 +353,7 @@ def test_bad_models_name_the_fix():
         run("llama3-debug", reshard_after_forward="keep_last"),
     ])
     assert_expected_inline(text, """\
-ValueError: unknown model 'llama3-9b'; built-in models are ['llama3-70b', 'llama3-8b', 'llama3-debug'], or pass a factory as 'pkg.module:function' (or --hf-config path/to/config.json)
+ValueError: unknown model 'llama3-9b'; built-in models are ['llama3-405b', 'llama3-70b', 'llama3-8b', 'llama3-debug'], or pass a factory as 'pkg.module:function' (or --hf-config path/to/config.json)
 ValueError: cannot import 'fsdptag.nowhere' for 'fsdptag.nowhere:build' (No module named 'fsdptag.nowhere'); make it importable (installed, or on PYTHONPATH)
 ValueError: 'fsdptag.tools.llama' has no 'nothing'; use 'pkg.module:function'
 TypeError: model 'fsdptag.tools.llama:Llama': building it failed (Llama.__init__() missing 1 required positional argument: 'cfg'); the factory is called with no arguments and returns the model

@@ -16,6 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from fsdptag.tools import estimate as est
 from fsdptag.tools import plan as planner
 from fsdptag.tools.llama import CONFIGS, Llama
+from fsdptag.tools.report import calls
 
 from .harness import launch
 
@@ -45,9 +46,9 @@ def test_plan_table(swept):
     assert_expected_inline(planner.format_plan(swept, show_all=True), """\
 Pareto set: 1 of 4 configurations that fit in 1.48 MiB (1 do not), fastest first
 
-| # | zero | AC | TP | batch | peak | FSDP collectives | TP collectives | compute (recompute) | comm ms | compute ms | GPU-us/token |
-|---|---|---|---|---|---|---|---|---|---|---|---|
-| 1 | zero2 | full | 1 | 1 | 1.21 MiB | 733.88 KiB | 0 B | 60.0 MFLOP (11.0 MFLOP) | 0.007515 | 0.0001501 | 0.1198 |
+| # | zero | AC | TP | HSDP | batch | peak | FSDP collectives | TP collectives | compute (recompute) | comm ms | exposed ms | compute ms | GPU-us/token |
+|---|---|---|---|---|---|---|---|---|---|---|---|---|---|
+| 1 | zero2 | full | 1 | 1 | 1 | 1.21 MiB | 733.88 KiB | 0 B | 60.0 MFLOP (11.0 MFLOP) | 0.007515 | 0.007448 | 0.0001501 | 0.1187 |
 
 Recommended (zero2 full TP1 b1, peak 1.21 MiB):
 
@@ -60,13 +61,13 @@ Closest that does not fit: zero2 none TP1 b1 1.55 MiB
 
 All configurations, in the order estimated:
 
-| # | zero | AC | TP | batch | peak | FSDP collectives | TP collectives | compute (recompute) | comm ms | compute ms | GPU-us/token |
-|---|---|---|---|---|---|---|---|---|---|---|---|
-| 1 | zero2 | none | 1 | 1 | 1.55 MiB | 733.88 KiB | 0 B | 49.0 MFLOP (0 FLOP) | 0.007515 | 0.0001226 | 0.1193 |
-| 2 | zero3 | none | 1 | 1 | 1.44 MiB | 978.50 KiB | 0 B | 49.0 MFLOP (0 FLOP) | 0.01002 | 0.0001226 | 0.1585 |
-| 3 | zero2 | full | 1 | 1 | 1.21 MiB | 733.88 KiB | 0 B | 60.0 MFLOP (11.0 MFLOP) | 0.007515 | 0.0001501 | 0.1198 |
-| 4 | zero3 | full | 1 | 1 | 1.25 MiB | 978.50 KiB | 0 B | 60.0 MFLOP (11.0 MFLOP) | 0.01002 | 0.0001501 | 0.1589 |
-| 5 | zero3-keep-last | none | 1 | 1 | 1.46 MiB | 824.12 KiB | 0 B | 49.0 MFLOP (0 FLOP) | 0.008439 | 0.0001226 | 0.1338 |""")
+| # | zero | AC | TP | HSDP | batch | peak | FSDP collectives | TP collectives | compute (recompute) | comm ms | exposed ms | compute ms | GPU-us/token |
+|---|---|---|---|---|---|---|---|---|---|---|---|---|---|
+| 1 | zero2 | none | 1 | 1 | 1 | 1.55 MiB | 733.88 KiB | 0 B | 49.0 MFLOP (0 FLOP) | 0.007515 | 0.007461 | 0.0001226 | 0.1185 |
+| 2 | zero3 | none | 1 | 1 | 1 | 1.44 MiB | 978.50 KiB | 0 B | 49.0 MFLOP (0 FLOP) | 0.01002 | 0.00993 | 0.0001226 | 0.1571 |
+| 3 | zero2 | full | 1 | 1 | 1 | 1.21 MiB | 733.88 KiB | 0 B | 60.0 MFLOP (11.0 MFLOP) | 0.007515 | 0.007448 | 0.0001501 | 0.1187 |
+| 4 | zero3 | full | 1 | 1 | 1 | 1.25 MiB | 978.50 KiB | 0 B | 60.0 MFLOP (11.0 MFLOP) | 0.01002 | 0.009903 | 0.0001501 | 0.1571 |
+| 5 | zero3-keep-last | none | 1 | 1 | 1 | 1.46 MiB | 824.12 KiB | 0 B | 49.0 MFLOP (0 FLOP) | 0.008439 | 0.008422 | 0.0001226 | 0.1335 |""")
 
 
 def worker_run_configs(configs):
@@ -158,6 +159,8 @@ def test_bad_inputs_name_the_fix():
         lambda: planner.plan("llama3-debug", 2, BUDGET, tp=[0]),
         lambda: planner.plan("llama3-debug", 2, BUDGET, ac=["most"]),
         lambda: planner.plan("llama3-debug", 2, BUDGET, batch=[]),
+        lambda: planner.plan("llama3-debug", 2, BUDGET, hsdp=[0]),
+        lambda: planner.plan("llama3-debug", 2, BUDGET, microbatches=[1, -2]),
         lambda: planner.main(["--model", "llama3-debug", "--world-size", "2", "--memory", "lots"]),
     ])
     assert_expected_inline(text, """\
@@ -166,6 +169,29 @@ ValueError: cannot read '-1GiB'; write a positive number with an optional unit, 
 ValueError: tp=[0]: pass TP degrees >= 1, e.g. --tp 1,2,4,8
 ValueError: ac=['most']: use some of ('none', 'full', 'selective', 'layer')
 ValueError: batch=[]: pass sequences per data-parallel rank >= 1, e.g. --batch 1,2
+ValueError: hsdp=[0]: pass HSDP replica counts >= 1 (1: fully sharded), e.g. --hsdp 1,8
+ValueError: microbatches=[1, -2]: pass forward+backward passes per optimizer step >= 1, e.g. --microbatches 1,4
 ValueError: cannot read 'lots'; write a positive number with an optional unit, e.g. 80GiB, 50GB/s, 400T""")
     assert planner.parse_bytes("80GiB") == 80 * 2**30 and planner.parse_bytes("50GB/s", "B/s") == 50e9
     assert planner.parse_bytes("400TFLOPS", "FLOP/s") == 400e12 == planner.parse_bytes("4e14")
+
+
+def test_sweep_axes_hsdp_microbatches():
+    """HSDP replica counts and microbatches are sweep axes: every row is the estimate of
+    its configuration, a replica count that does not split the ranks is skipped with why,
+    and the recommended calls set the mesh and the sync up."""
+    p = planner.plan("llama3-debug", 4, 10 * BUDGET, seq_len=SEQ, ac=["none"], hsdp=[1, 2, 3],
+                     microbatches=[1, 2], batch=[2])
+    assert [planner.label(r.candidate) for r in p.rows] == [
+        f"{z} none TP1{h} b2{m}" for h in ("", " HSDP2") for m in ("", "x2") for z in ("zero2", "zero3")]
+    assert p.skipped == ["tp=1 hsdp=3: 4 data-parallel ranks do not split into 3 replicas of 2 or more"]
+    e = p.rows[6].estimate  # zero2 HSDP2 b2x2
+    [direct] = est.estimate("llama3-debug", 4, hsdp_replicas=2, microbatches=2, batch=2, seq_len=SEQ,
+                            reshard_after_forward=False, ac="none", policies=("tagged",))
+    assert e == direct and (e.hsdp_replicas, e.microbatches, e.batch) == (2, 2, 2) and e.fsdp_all_reduce_bytes > 0
+    row = p.rows[6]
+    assert row.us_per_token == 1e6 * row.step_s / (2 * 2 * SEQ)
+    assert_expected_inline(calls(p, row), """\
+mesh = init_device_mesh("cuda", (2, 2), mesh_dim_names=("replicate", "shard"))
+fsdptag.parametrize(model, mesh, mode="hybrid_shard", reshard_after_forward=False, mp_policy=fsdptag.MixedPrecisionPolicy(torch.bfloat16, torch.float32))
+# batch: 2 x 64 tokens per data-parallel rank and microbatch, 2 microbatches per step: fsdptag.set_requires_gradient_sync(model, False) before all but the last backward""")

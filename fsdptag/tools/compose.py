@@ -9,6 +9,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .._blocks import find_blocks
+from .overlap import splice
 
 __all__ = ["COMPOSE_FROM", "KEEP_LAST", "compose", "compose_depths", "keep_last_of", "keep_last_policy", "resolve_reshard"]
 
@@ -85,7 +86,8 @@ def compose(at_a: dict, at_b: dict, a: int, b: int, depth: int) -> dict:
     if (depth - a) % (b - a) or at_a.keys() != at_b.keys() or len(at_a["phase_peaks"]) != len(at_b["phase_peaks"]):
         raise ValueError(f"cannot compose depth {depth} from depths {a} and {b}")
     steps = (depth - a) // (b - a)
-    out = {k: v + steps * (at_b[k] - v) for k, v in at_a.items() if k != "phase_peaks"}
+    out = {k: v + steps * (at_b[k] - v) for k, v in at_a.items() if k not in ("phase_peaks", "timeline")}
+    out["timeline"] = splice(at_a["timeline"], at_b["timeline"], a, b, depth)
     out["phase_peaks"] = tuple(x + steps * (y - x) for x, y in zip(at_a["phase_peaks"], at_b["phase_peaks"]))
     out["peak_bytes"] = max(out["phase_peaks"])
     return out

@@ -13,7 +13,7 @@ nothing is allocated and nothing is sent, and counts bytes with
 formulas. The same :func:`measure_step` runs for real in the validation tests,
 which check that the estimate matches a real gloo run at small scale.
 
-Models: a built-in Llama 3 config (``llama3-debug``, ``llama3-8b``, ``llama3-70b``);
+Models: a built-in Llama 3 config (``llama3-debug``, ``llama3-8b``, ``llama3-70b``, ``llama3-405b``);
 ``pkg.module:factory``, a callable that builds the model (called under
 ``FakeTensorMode``, so its parameters are fake: build on the default device); a
 transformers ``config.json`` (``AutoModelForCausalLM.from_config``, no weights, no KV
@@ -45,7 +45,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Iterable, Iterator
 
 import torch
@@ -58,13 +58,14 @@ from torch.distributed.fsdp import MixedPrecisionPolicy as FSDP2MixedPrecision, 
 from .._api import MixedPrecisionPolicy, ReshardPolicy
 from .._blocks import find_blocks
 from .._ac import apply_ac
-from .._compat import fake_store
+from .._compat import fake_store, fakes_run_eager
 from .._parametrize import parametrize
 from .._plan import reshard_resolver
 from .baselines import apply_baseline_ac
+from .report import format_cost_table, format_table
 from .compose import KEEP_LAST, compose, compose_depths, keep_last_of, resolve_reshard
 from .llama import CONFIGS
-from .measure import COLLECTIVE_FIELDS, EagerAliasingWait, OptimizerReuse, measure_step
+from .measure import EagerAliasingWait, OptimizerReuse, measure_step
 from .models import (ModelSpec, builtin_model, complete_spec, factory_model, hf_config_model, hf_tp_plan,
                      import_object, model_spec, own_tp_plan)
 
@@ -112,6 +113,15 @@ class MemoryEstimate:
     forward_flops: int
     backward_flops: int  # the gradients (recompute excluded)
     recompute_flops: int  # forward ops the backward re-runs (activation checkpointing)
+    # the collectives' issues and waits in dispatch order with the FLOPs between
+    # (Note [Exposed communication]); left out of JSON output (see ``report``)
+    timeline: tuple = field(default=(), repr=False)
+
+    def report(self) -> dict:
+        """The fields as a dict for JSON, without the timeline."""
+        out = asdict(self)
+        del out["timeline"]
+        return out
 
 
 @dataclass(frozen=True)
@@ -290,40 +300,9 @@ def _measure(spec: ModelSpec, mesh: DeviceMesh, c: StepConfig, reuse: OptimizerR
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     m = build_model(spec, mesh, policy=c.policy, reshard=c.reshard_after_forward, ac=c.ac, mp=c.mp,
                     fake_mode=fake_mode)
-    with fake_mode, EagerAliasingWait():
+    with fake_mode, EagerAliasingWait(), fakes_run_eager():
         tokens = torch.randint(0, spec.vocab_size, (c.batch, spec.seq_len + 1))
         return measure_step(m, tokens, mesh, reuse, c.microbatches)
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f}"
-
-
-def format_table(results: list[MemoryEstimate]) -> str:
-    head = ("| policy | peak GiB | params GiB | grads GiB | unsynced grads GiB | optim GiB | kept for bwd GiB | "
-            "of which gathered params | TP collectives | casts |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for r in results:
-        lines.append(
-            f"| {r.policy} | {_gib(r.peak_bytes)} | {_gib(r.param_bytes)} | {_gib(r.grad_bytes)} | "
-            f"{_gib(r.unsynced_grad_bytes)} | {_gib(r.optimizer_bytes)} | {_gib(r.activation_bytes)} | "
-            f"{_gib(r.gathered_param_bytes)} | {_gib(r.kept_collective_bytes)} | "
-            f"{_gib(r.kept_cast_bytes)} |"
-        )
-    return "\n".join(lines)
-
-
-def format_cost_table(results: list[MemoryEstimate]) -> str:
-    """Per policy: GiB moved by each kind of collective in the step, and TFLOPs."""
-    head = ("| policy | FSDP all-gather GiB | of k-groups GiB | FSDP reduce-scatter GiB | FSDP all-reduce GiB | "
-            "TP all-gather GiB | TP reduce-scatter GiB | TP all-reduce GiB | fwd TFLOP | bwd TFLOP | "
-            "recompute TFLOP |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for r in results:
-        moved = " | ".join(_gib(getattr(r, f)) for f in COLLECTIVE_FIELDS[:-1])
-        flops = " | ".join(f"{n / 1e12:.2f}" for n in (r.forward_flops, r.backward_flops, r.recompute_flops))
-        lines.append(f"| {r.policy} | {moved} | {flops} |")
-    return "\n".join(lines)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -391,7 +370,7 @@ def main(argv: list[str] | None = None) -> None:
     print(format_cost_table(results))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([asdict(r) for r in results], f, indent=1)
+            json.dump([r.report() for r in results], f, indent=1)
 
 
 if __name__ == "__main__":

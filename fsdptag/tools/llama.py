@@ -50,6 +50,8 @@ CONFIGS = {
                              ffn_hidden=14336, max_seq_len=8192),
     "llama3-70b": LlamaConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
                               ffn_hidden=28672, max_seq_len=8192),
+    "llama3-405b": LlamaConfig(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256,
+                               ffn_hidden=53248, max_seq_len=8192),
 }
 
 

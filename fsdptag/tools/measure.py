@@ -17,22 +17,27 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from .._compat import gqa_sdpa_flop_formulas, in_backward
+from .._compat import AsyncCollectiveTensor, gqa_sdpa_flop_formulas, in_backward
 from .._parametrize import is_parametrized
 from .._sync import set_requires_gradient_sync
 from ..debug import CollectiveCounter, LiveStorageTracker
+from ..debug.counter import WRAP_OP
+from .overlap import TimelineCounter
 
 
 __all__ = ["COLLECTIVE_FIELDS", "EagerAliasingWait", "OptimizerReuse", "measure_step"]
 
 
 class EagerAliasingWait(TorchDispatchMode):
-    """Eager ``wait_tensor`` returns its input; the fake kernel allocates a new tensor,
-    which would double-count every saved collective output. Restore eager aliasing."""
+    """Eager ``wait_tensor`` returns its input, and eager ``_wrap_tensor_autograd`` wraps
+    it in an AsyncCollectiveTensor; their fake kernels allocate a new tensor, which would
+    double-count every saved collective output. Restore eager aliasing."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops._c10d_functional.wait_tensor.default:
             return args[0]
+        if func is WRAP_OP:
+            return AsyncCollectiveTensor(args[0])
         return func(*args, **(kwargs or {}))
 
 
@@ -155,6 +160,8 @@ def measure_step(model, tokens: torch.Tensor, mesh: DeviceMesh | None = None,
     in steady-state training, and counts towards the peak. ``phase_peaks``: the peak
     of each forward, each backward and the optimizer step, in that order
     (``peak_bytes`` is their max; Note [Composed depth] composes them one by one).
+    ``timeline``: the collectives' issues and waits in dispatch order, with the FLOPs
+    between them (Note [Exposed communication] in ``overlap.py``).
     """
     stored = list(model.parameters())
     params = [p for p in stored if p.requires_grad]  # frozen weights: no gradient, no AdamW state
@@ -174,9 +181,10 @@ def measure_step(model, tokens: torch.Tensor, mesh: DeviceMesh | None = None,
     tracker = LiveStorageTracker(track_inputs=True, track_peak=True,
                                  settle_collectives=not isinstance(tokens, FakeTensor))
     tracker.track_existing(stored + state)
-    counter = CollectiveCounter(mesh if mesh is not None else
-                                list({p.device_mesh: None for p in stored if isinstance(p, DTensor)}))
     flops = _StepFlops()
+    counter = TimelineCounter(mesh if mesh is not None else
+                              list({p.device_mesh: None for p in stored if isinstance(p, DTensor)}),
+                              lambda: sum(flops.counts.values()))
     # Cyclic GC would free some buffers at times that vary from run to run (it runs on
     # allocation counts, and the collectives' threads allocate too); paused, frees
     # follow reference counts only, the same in a real run and in an estimate. Frozen,
@@ -193,6 +201,7 @@ def measure_step(model, tokens: torch.Tensor, mesh: DeviceMesh | None = None,
             def phase_ends() -> None:  # the next phase's peak starts from its first allocation
                 phases.append(tracker.peak_bytes)
                 tracker.peak_bytes = 0
+                counter.end_phase()
 
             for i in range(microbatches):
                 last = i == microbatches - 1
@@ -230,6 +239,7 @@ def measure_step(model, tokens: torch.Tensor, mesh: DeviceMesh | None = None,
         "kept_cast_bytes": kept.get("cast", 0),
         **_collective_bytes(counter),
         **flops.counts,
+        "timeline": tuple(counter.records),
     }
 
 

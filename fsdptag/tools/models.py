@@ -47,7 +47,7 @@ class ModelSpec:
 
 
 def builtin_model(name: str, seq_len: int | None = None) -> ModelSpec:
-    """One of the built-in Llama 3 configs (``llama3-debug``, ``llama3-8b``, ``llama3-70b``)
+    """One of the built-in Llama 3 configs (``llama3-debug``, ``llama3-8b``, ``llama3-70b``, ``llama3-405b``)
     at ``seq_len`` (default: its max, at most 8192)."""
     if name not in CONFIGS:
         raise ValueError(f"unknown model {name!r}; built-in models are {sorted(CONFIGS)}, or pass a factory "

@@ -1,12 +1,15 @@
 """Which zero / AC / TP setting fits, and what it costs: ``python -m fsdptag.plan``.
 
     python -m fsdptag.plan --model llama3-8b --world-size 64 --memory 80GiB [--tp 1,2,4,8] [--batch 1] \\
-        [--ac none,layer,selective,full] [--bandwidth 50GB/s] [--tp-bandwidth 450GB/s] \\
-        [--device-flops 400T] [--plot out.png] [--json out.json] [--all]
+        [--hsdp 1,8] [--microbatches 1,4] [--partial-reshard 8] [--ac none,layer,selective,full] \\
+        [--bandwidth 50GB/s] [--tp-bandwidth 450GB/s] [--device-flops 400T] [--no-overlap] \\
+        [--plot out.png] [--json out.json] [--all]
 
 Every combination of zero2 / zero3 (and zero3 with the last block and the root's own
 parameters kept gathered, where that helps: zero2 does not fit, zero3 does), AC
-none / layer / selective / full, each TP degree and batch is estimated with
+none / layer / selective / full, each TP degree, HSDP replica count (``--hsdp``: the
+data-parallel ranks split into that many replicas, each sharding over the rest),
+batch and number of microbatches (all but the last without gradient sync) is estimated with
 :mod:`fsdptag.estimate` (rank 0's step on fake tensors, fsdptag's tagged policy,
 bf16 parameters / fp32 reduction, AdamW). What does not fit in ``--memory`` is
 dropped; the Pareto set of peak memory vs. the time proxy is printed fastest first:
@@ -15,22 +18,27 @@ Models: as ``python -m fsdptag.estimate`` (``--model``, ``--hf-config``, ``--tp-
 
 Note [Time proxy]
 -----------------
-A rank's step takes at least ``comm_s + compute_s`` (no overlap assumed, so the proxy
-ranks configurations rather than predicting a step time):
+A rank's step takes ``compute_s + exposed_s``: compute, and the communication
+compute cannot hide. Both come from the estimate's timeline, the step's collectives
+in the order the runtime issues and waits them with the FLOPs between (Note [Exposed
+communication] in ``overlap.py``), replayed at these rates per GPU:
 
-* ``comm_s``: the bytes each rank sends in the step's collectives (ring algorithms:
-  an all-gather or reduce-scatter of ``B`` bytes over ``n`` ranks sends
-  ``B (n-1)/n``, an all-reduce twice that), data-parallel ones over ``--bandwidth``
-  (default 50 GB/s per GPU: one 400 Gb/s NIC per GPU, between nodes), TP ones over
-  ``--tp-bandwidth`` (default 450 GB/s: NVLink within a node, TP <= 8), and the
-  backward re-gathers of ``reshard_after_forward=k`` (``--partial-reshard k``, rows
-  "zero3@k") over k-rank groups over ``--partial-bandwidth`` (default 450 GB/s: a
-  group within a node);
-* ``compute_s``: forward + backward + recompute FLOPs over ``--device-flops``
-  (default 400 TFLOP/s: ~40% of an H100's / H200's dense bf16 peak).
+* data-parallel collectives over ``--bandwidth`` (default 50 GB/s: one 400 Gb/s NIC
+  per GPU, between nodes), TP ones over ``--tp-bandwidth`` (default 450 GB/s: NVLink
+  within a node, TP <= 8), the backward re-gathers of ``reshard_after_forward=k``
+  (``--partial-reshard k``, rows "zero3@k") over k-rank groups over
+  ``--partial-bandwidth`` (default 450 GB/s: a group within a node); ring algorithms:
+  an all-gather or reduce-scatter of ``B`` bytes over ``n`` ranks sends ``B (n-1)/n``,
+  an all-reduce twice that;
+* forward + backward + recompute FLOPs over ``--device-flops`` (default 400 TFLOP/s:
+  ~40% of an H100's / H200's dense bf16 peak).
 
-Configurations are compared by GPU time per token, ``step_s * tp / (batch * seq)``:
-a TP group of ``tp`` GPUs spends ``step_s`` on ``batch`` sequences.
+``--no-overlap`` keeps the earlier proxy, ``comm_s + compute_s`` with ``comm_s`` every
+collective's time summed, as if nothing overlapped. Either way the proxy ranks
+configurations rather than predicting a step time (no latency, no kernel slowed by a
+concurrent collective). Configurations are compared by GPU time per token,
+``step_s * tp / (batch * microbatches * seq)``: a TP group of ``tp`` GPUs spends
+``step_s`` on ``batch * microbatches`` sequences.
 """
 
 from __future__ import annotations
@@ -48,12 +56,13 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .compose import KEEP_LAST, keep_last_of, keep_last_policy
+from .overlap import exposed_s
 from .estimate import (AC_MODES, MemoryEstimate, ModelSpec, StepConfig, add_model_args, complete_spec,
                        estimate_each, model_spec, spec_from_args)
 from .report import format_plan, label, plot, pyplot, reshard_of, size
 
-__all__ = ["ZERO_MODES", "Candidate", "Plan", "Rates", "Row", "format_plan", "plot", "keep_last_policy", "parse_bytes", "plan",
-           "time_proxy"]
+__all__ = ["ZERO_MODES", "Candidate", "Plan", "Rates", "Row", "exposed_proxy", "format_plan", "keep_last_policy",
+           "parse_bytes", "plan", "plot", "time_proxy"]
 
 ZERO_MODES = ("zero2", "zero3", "zero3-keep-last", "zero3@k")
 
@@ -66,6 +75,7 @@ class Rates:
     tp_bandwidth: float = 450e9  # bytes/s, TP collectives
     partial_bandwidth: float = 450e9  # bytes/s, partial reshard's k-group re-gathers (within a node)
     device_flops: float = 400e12  # FLOP/s
+    overlap: bool = True  # False: comm_s + compute_s (--no-overlap)
 
 
 @dataclass(frozen=True)
@@ -73,27 +83,30 @@ class Candidate:
     zero: str  # one of ZERO_MODES
     ac: str  # one of AC_MODES
     tp: int
-    batch: int  # sequences per data-parallel rank
+    batch: int  # sequences per data-parallel rank and microbatch
+    hsdp: int = 1  # HSDP replicas (1: fully sharded over every data-parallel rank)
+    microbatches: int = 1  # forward+backward per optimizer step, all but the last without gradient sync
 
 
 @dataclass
 class Row:
     candidate: Candidate
     estimate: MemoryEstimate
-    comm_s: float
+    comm_s: float  # every collective's time, summed
     compute_s: float
     fits: bool
     pareto: bool = False
+    exposed_s: float | None = None  # what compute does not hide; None: --no-overlap
 
     @property
     def step_s(self) -> float:
-        return self.comm_s + self.compute_s
+        return self.compute_s + (self.comm_s if self.exposed_s is None else self.exposed_s)
 
     @property
     def us_per_token(self) -> float:
         """GPU microseconds per token: the comparison key (Note [Time proxy])."""
         e = self.estimate
-        return 1e6 * self.step_s * e.tp / (e.batch * e.seq_len)
+        return 1e6 * self.step_s * e.tp / (e.batch * e.microbatches * e.seq_len)
 
 
 @dataclass
@@ -139,32 +152,54 @@ def time_proxy(e: MemoryEstimate, rates: Rates = Rates()) -> tuple[float, float]
     return comm, (e.forward_flops + e.backward_flops + e.recompute_flops) / rates.device_flops
 
 
+def exposed_proxy(e: MemoryEstimate, rates: Rates = Rates()) -> float:
+    """Seconds of the step's communication compute does not hide (Note [Exposed communication])."""
+    if not e.timeline:
+        raise ValueError("this estimate has no timeline (made without measure_step?); use Rates(overlap=False)")
+    dp = e.world_size // e.tp
+    sizes = {"dp": dp, "shard": dp // e.hsdp_replicas, "replicate": e.hsdp_replicas, "tp": e.tp}
+    return exposed_s(e.timeline, rates.device_flops, sizes,
+                     {"dp": rates.bandwidth, "tp": rates.tp_bandwidth, "partial": rates.partial_bandwidth})
+
+
 def plan(model: str | ModelSpec | Callable[[], nn.Module], world_size: int, memory_bytes: int, *,
          tp: Sequence[int] = (1,), batch: Sequence[int] = (1,), ac: Sequence[str] = AC_MODES,
          rates: Rates = Rates(), seq_len: int | None = None,
          tp_plan: Callable[[nn.Module, DeviceMesh], None] | None = None,
          progress: Callable[[Row], None] | None = None, partial: Sequence[int] = (),
-         compose: bool = True) -> Plan:
+         hsdp: Sequence[int] = (1,), microbatches: Sequence[int] = (1,), compose: bool = True) -> Plan:
     """Estimate every configuration (module docstring) and mark the Pareto set.
     ``partial``: k values of ``reshard_after_forward=k`` to try ("zero3@k") where zero3
-    fits and zero2 does not. ``compose``: as :func:`fsdptag.estimate.estimate` (two
-    shallow copies measured, the other blocks composed: Note [Composed depth]).
+    fits and zero2 does not. ``hsdp``: HSDP replica counts (1: fully sharded);
+    ``microbatches``: forward+backward passes per optimizer step. ``compose``: as
+    :func:`fsdptag.estimate.estimate` (two shallow copies measured, the other blocks
+    composed: Note [Composed depth]).
 
     A TP degree whose estimate raises ``ValueError`` (no TP plan, heads not divisible,
-    world size not divisible) is skipped with the reason in ``Plan.skipped``.
+    world size not divisible) is skipped with the reason in ``Plan.skipped``, as is a
+    replica count that does not divide the data-parallel ranks.
 
     Example::
 
         >>> p = plan("llama3-8b", 64, parse_bytes("80GiB"), tp=(1, 2, 4, 8))
         >>> p.recommended.candidate
-        Candidate(zero='zero2', ac='none', tp=2, batch=1)
+        Candidate(zero='zero2', ac='none', tp=2, batch=1, hsdp=1, microbatches=1)
     """
-    _check(world_size, memory_bytes, tp, batch, ac)
+    _check(world_size, memory_bytes, tp, batch, ac, hsdp, microbatches)
     spec = complete_spec(model_spec(model, seq_len=seq_len, tp_plan=tp_plan))
     result = Plan(spec.name, world_size, memory_bytes, rates, [], keep_last=keep_last_of(spec.build))
     for degree in tp:
+        replicas = []
+        for r in hsdp:
+            dp = world_size // degree
+            if world_size % degree == 0 and (r == 1 or (dp % r == 0 and dp // r > 1)):
+                replicas.append(r)
+            else:
+                result.skipped.append(f"tp={degree} hsdp={r}: {dp} data-parallel ranks do not split into {r} "
+                                      f"replicas of 2 or more")
         try:
-            result.rows += _sweep(spec, result, degree, batch, ac, progress, partial, compose)
+            result.rows += _sweep(spec, result, degree, replicas, batch, microbatches, ac, progress, partial,
+                                  compose)
         except ValueError as e:
             result.skipped.append(f"tp={degree}: {e}")
             continue
@@ -175,11 +210,16 @@ def plan(model: str | ModelSpec | Callable[[], nn.Module], world_size: int, memo
     return result
 
 
-def _check(world_size: int, memory_bytes: int, tp, batch, ac) -> None:
+def _check(world_size: int, memory_bytes: int, tp, batch, ac, hsdp=(1,), microbatches=(1,)) -> None:
     if not tp or any(not isinstance(t, int) or t < 1 for t in tp):
         raise ValueError(f"tp={list(tp)!r}: pass TP degrees >= 1, e.g. --tp 1,2,4,8")
     if not batch or any(not isinstance(b, int) or b < 1 for b in batch):
         raise ValueError(f"batch={list(batch)!r}: pass sequences per data-parallel rank >= 1, e.g. --batch 1,2")
+    if not hsdp or any(not isinstance(r, int) or r < 1 for r in hsdp):
+        raise ValueError(f"hsdp={list(hsdp)!r}: pass HSDP replica counts >= 1 (1: fully sharded), e.g. --hsdp 1,8")
+    if not microbatches or any(not isinstance(m, int) or m < 1 for m in microbatches):
+        raise ValueError(f"microbatches={list(microbatches)!r}: pass forward+backward passes per optimizer step "
+                         f">= 1, e.g. --microbatches 1,4")
     unknown = [a for a in ac if a not in AC_MODES]
     if not ac or unknown:
         raise ValueError(f"ac={list(ac)!r}: use some of {AC_MODES}")
@@ -187,27 +227,35 @@ def _check(world_size: int, memory_bytes: int, tp, batch, ac) -> None:
         raise ValueError(f"memory={memory_bytes} B, world_size={world_size}: both must be positive")
 
 
-def _sweep(spec: ModelSpec, p: Plan, tp: int, batches, acs, progress, partial=(), compose=True) -> list[Row]:
-    """zero2 and zero3 for every (AC, batch) at one TP degree, then zero3-keep-last where
-    it can be on the Pareto set: zero2 (faster, no backward gathers) does not fit, zero3 does."""
+def _sweep(spec: ModelSpec, p: Plan, tp: int, replicas, batches, microbatches, acs, progress, partial=(),
+           compose=True) -> list[Row]:
+    """zero2 and zero3 for every (AC, HSDP, batch, microbatches) at one TP degree, then
+    zero3-keep-last (and zero3@k) where it can be on the Pareto set: zero2 (faster, no
+    backward gathers) does not fit, zero3 does."""
     def run(candidates: list[Candidate]) -> list[Row]:
-        configs = [StepConfig(c.tp, 1, reshard_of(c.zero, KEEP_LAST), c.ac, "bf16", c.batch, "tagged")
-                   for c in candidates]
+        configs = [StepConfig(c.tp, c.hsdp, reshard_of(c.zero, KEEP_LAST), c.ac, "bf16", c.batch, "tagged",
+                              c.microbatches) for c in candidates]
         rows = []
         for c, e in zip(candidates, estimate_each(spec, p.world_size, configs, compose=compose) if configs else ()):
             comm, compute = time_proxy(e, p.rates)
-            rows.append(Row(c, e, comm, compute, e.peak_bytes <= p.memory_bytes))
+            exposed = exposed_proxy(e, p.rates) if p.rates.overlap else None
+            rows.append(Row(c, e, comm, compute, e.peak_bytes <= p.memory_bytes, exposed_s=exposed))
             if progress is not None:
                 progress(rows[-1])
         return rows
 
-    rows = run([Candidate(z, a, tp, b) for b in batches for a in acs for z in ("zero2", "zero3")])
-    fits = {(r.candidate.zero, r.candidate.ac, r.candidate.batch): r.fits for r in rows}
-    shard = p.world_size // tp
-    ks = [k for k in partial if 1 < k < shard and shard % k == 0]  # others: not a partial reshard here
-    return rows + run([Candidate(z, a, tp, b) for b in batches for a in acs
-                       if fits[("zero3", a, b)] and not fits[("zero2", a, b)]
-                       for z in ("zero3-keep-last", *(f"zero3@{k}" for k in ks))])
+    shapes = [(r, b, m) for r in replicas for b in batches for m in microbatches]
+    rows = run([Candidate(z, a, tp, b, r, m) for r, b, m in shapes for a in acs for z in ("zero2", "zero3")])
+    fits = {(r.candidate.zero, r.candidate.ac, r.candidate.hsdp, r.candidate.batch, r.candidate.microbatches):
+            r.fits for r in rows}
+    extra = []
+    for r, b, m in shapes:
+        shard = p.world_size // tp // r
+        ks = [k for k in partial if 1 < k < shard and shard % k == 0]  # others: not a partial reshard here
+        extra += [Candidate(z, a, tp, b, r, m) for a in acs
+                  if fits[("zero3", a, r, b, m)] and not fits[("zero2", a, r, b, m)]
+                  for z in ("zero3-keep-last", *(f"zero3@{k}" for k in ks))]
+    return rows + run(extra)
 
 
 def _mark_pareto(rows: list[Row]) -> None:
@@ -252,7 +300,12 @@ def main(argv: list[str] | None = None) -> Plan:
     ap.add_argument("--world-size", type=int, required=True)
     ap.add_argument("--memory", required=True, help="per-GPU memory budget, e.g. 80GiB")
     ap.add_argument("--tp", type=_ints, default=[1], help="TP degrees to try, e.g. 1,2,4,8 (default 1)")
-    ap.add_argument("--batch", type=_ints, default=[1], help="sequences per data-parallel rank, e.g. 1,2")
+    ap.add_argument("--batch", type=_ints, default=[1],
+                    help="sequences per data-parallel rank and microbatch, e.g. 1,2")
+    ap.add_argument("--hsdp", type=_ints, default=[1], metavar="R,...",
+                    help="HSDP replica counts to try (1: fully sharded; e.g. 1,8: also 8 replicas)")
+    ap.add_argument("--microbatches", type=_ints, default=[1], metavar="M,...",
+                    help="forward+backward passes per optimizer step to try, all but the last without sync")
     ap.add_argument("--ac", type=lambda s: s.split(","), default=list(AC_MODES),
                     help=f"AC modes to try (default {','.join(AC_MODES)})")
     ap.add_argument("--bandwidth", default="50GB/s", help="data-parallel bytes/s per GPU (Note [Time proxy])")
@@ -262,6 +315,8 @@ def main(argv: list[str] | None = None) -> Plan:
     ap.add_argument("--partial-bandwidth", default="450GB/s",
                     help="bytes/s per GPU of the K-rank re-gathers (default: within a node)")
     ap.add_argument("--device-flops", default="400T", help="FLOP/s per GPU")
+    ap.add_argument("--no-overlap", action="store_true",
+                    help="time proxy comm + compute, as if nothing overlapped (Note [Time proxy])")
     ap.add_argument("--plot", default=None, metavar="OUT.png", help="memory vs time proxy (needs matplotlib)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--all", action="store_true", help="also print every configuration")
@@ -269,26 +324,28 @@ def main(argv: list[str] | None = None) -> Plan:
                     help="run every block of every estimate instead of composing (the same numbers, slower)")
     args = ap.parse_args(argv)
     rates = Rates(parse_bytes(args.bandwidth, "B/s"), parse_bytes(args.tp_bandwidth, "B/s"),
-                  parse_bytes(args.partial_bandwidth, "B/s"), parse_bytes(args.device_flops, "FLOP/s"))
+                  parse_bytes(args.partial_bandwidth, "B/s"), parse_bytes(args.device_flops, "FLOP/s"),
+                  overlap=not args.no_overlap)
     memory = int(parse_bytes(args.memory))
     if args.plot:
         pyplot()  # before the sweep, not after it
     t0, cpu0 = time.perf_counter(), time.process_time()
     p = plan(spec_from_args(args), args.world_size, memory, tp=args.tp, batch=args.batch, ac=args.ac,
              rates=rates, progress=functools.partial(_progress, t0), partial=args.partial_reshard,
-             compose=not args.full_depth)
+             hsdp=args.hsdp, microbatches=args.microbatches, compose=not args.full_depth)
     seq = p.rows[0].estimate.seq_len if p.rows else args.seq_len
     print(f"{p.model}: world {p.world_size}, seq {seq}, memory {size(memory)} per GPU; time proxy: "
           f"bytes sent / {rates.bandwidth / 1e9:g} GB/s (data parallel), / {rates.tp_bandwidth / 1e9:g} GB/s (TP) "
-          f"+ FLOPs / {rates.device_flops / 1e12:g} TFLOP/s; {len(p.rows)} configurations estimated in "
+          f"+ FLOPs / {rates.device_flops / 1e12:g} TFLOP/s, "
+          f"{'exposed communication only' if rates.overlap else 'no overlap'}; {len(p.rows)} configurations estimated in "
           f"{time.perf_counter() - t0:.0f} s ({time.process_time() - cpu0:.0f} s CPU)\n")
     print(format_plan(p, args.all))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": p.model, "world_size": p.world_size, "memory_bytes": p.memory_bytes,
                        "rates": asdict(rates), "skipped": p.skipped, "keep_last": p.keep_last,
-                       "rows": [{**asdict(r.candidate), **asdict(r.estimate), "comm_s": r.comm_s,
-                                 "compute_s": r.compute_s, "us_per_token": r.us_per_token, "fits": r.fits,
+                       "rows": [{**asdict(r.candidate), **r.estimate.report(), "comm_s": r.comm_s,
+                                 "compute_s": r.compute_s, "exposed_s": r.exposed_s, "us_per_token": r.us_per_token, "fits": r.fits,
                                  "pareto": r.pareto} for r in p.rows]}, f, indent=1)
     if args.plot:
         plot(p, args.plot)

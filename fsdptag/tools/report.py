@@ -1,15 +1,19 @@
-"""The planner's output: its rows as a table, the calls that set a row up, the plan in
-words and its plot (``python -m fsdptag.plan --plot``)."""
+"""The tools' output: an estimate's tables; the planner's rows as a table, the calls that
+set a row up, the plan in words and its plot (``python -m fsdptag.plan --plot``)."""
 
 from __future__ import annotations
 
 import importlib
 from typing import TYPE_CHECKING
 
+from .measure import COLLECTIVE_FIELDS
+
 if TYPE_CHECKING:  # annotations only
+    from .estimate import MemoryEstimate
     from .plan import Candidate, Plan, Row
 
-__all__ = ["AC_CALLS", "calls", "format_plan", "format_rows", "label", "plot", "pyplot", "reshard_of", "size"]
+__all__ = ["AC_CALLS", "calls", "format_cost_table", "format_plan", "format_rows", "format_table", "label", "plot",
+           "pyplot", "reshard_of", "size"]
 
 AC_CALLS = {
     "none": None,
@@ -17,6 +21,37 @@ AC_CALLS = {
     "selective": 'fsdptag.apply_ac(model, "selective")',
     "layer": 'fsdptag.apply_ac(model, "selective", layer_every=2)',
 }
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+def format_table(results: list[MemoryEstimate]) -> str:
+    head = ("| policy | peak GiB | params GiB | grads GiB | unsynced grads GiB | optim GiB | kept for bwd GiB | "
+            "of which gathered params | TP collectives | casts |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in results:
+        lines.append(
+            f"| {r.policy} | {_gib(r.peak_bytes)} | {_gib(r.param_bytes)} | {_gib(r.grad_bytes)} | "
+            f"{_gib(r.unsynced_grad_bytes)} | {_gib(r.optimizer_bytes)} | {_gib(r.activation_bytes)} | "
+            f"{_gib(r.gathered_param_bytes)} | {_gib(r.kept_collective_bytes)} | "
+            f"{_gib(r.kept_cast_bytes)} |"
+        )
+    return "\n".join(lines)
+
+
+def format_cost_table(results: list[MemoryEstimate]) -> str:
+    """Per policy: GiB moved by each kind of collective in the step, and TFLOPs."""
+    head = ("| policy | FSDP all-gather GiB | of k-groups GiB | FSDP reduce-scatter GiB | FSDP all-reduce GiB | "
+            "TP all-gather GiB | TP reduce-scatter GiB | TP all-reduce GiB | fwd TFLOP | bwd TFLOP | "
+            "recompute TFLOP |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in results:
+        moved = " | ".join(_gib(getattr(r, f)) for f in COLLECTIVE_FIELDS[:-1])
+        flops = " | ".join(f"{n / 1e12:.2f}" for n in (r.forward_flops, r.backward_flops, r.recompute_flops))
+        lines.append(f"| {r.policy} | {moved} | {flops} |")
+    return "\n".join(lines)
 
 
 def reshard_of(zero: str, keep_last: dict[str, bool] | None):
@@ -40,21 +75,25 @@ def size(n: float) -> str:
 
 
 def label(c: Candidate) -> str:
-    return f"{c.zero} {c.ac} TP{c.tp} b{c.batch}"
+    hsdp = f" HSDP{c.hsdp}" if c.hsdp > 1 else ""
+    mb = f"x{c.microbatches}" if c.microbatches > 1 else ""
+    return f"{c.zero} {c.ac} TP{c.tp}{hsdp} b{c.batch}{mb}"
 
 
 def format_rows(rows: list[Row]) -> str:
-    head = ("| # | zero | AC | TP | batch | peak | FSDP collectives | TP collectives | compute (recompute) | "
-            "comm ms | compute ms | GPU-us/token |")
+    head = ("| # | zero | AC | TP | HSDP | batch | peak | FSDP collectives | TP collectives | compute (recompute) | "
+            "comm ms | exposed ms | compute ms | GPU-us/token |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for i, r in enumerate(rows, 1):
         c, e = r.candidate, r.estimate
         fsdp = (e.fsdp_all_gather_bytes + e.fsdp_reduce_scatter_bytes + e.fsdp_all_reduce_bytes)
         tp = e.tp_all_gather_bytes + e.tp_reduce_scatter_bytes + e.tp_all_reduce_bytes
         flops = e.forward_flops + e.backward_flops + e.recompute_flops
-        lines.append(f"| {i} | {c.zero} | {c.ac} | {c.tp} | {c.batch} | {size(e.peak_bytes)} | {size(fsdp)} | "
-                     f"{size(tp)} | {_flops(flops)} ({_flops(e.recompute_flops)}) | {1e3 * r.comm_s:.4g} | "
-                     f"{1e3 * r.compute_s:.4g} | {r.us_per_token:.4g} |")
+        batch = f"{c.batch} x {c.microbatches}" if c.microbatches > 1 else f"{c.batch}"
+        exposed = "-" if r.exposed_s is None else f"{1e3 * r.exposed_s:.4g}"
+        lines.append(f"| {i} | {c.zero} | {c.ac} | {c.tp} | {c.hsdp} | {batch} | {size(e.peak_bytes)} | "
+                     f"{size(fsdp)} | {size(tp)} | {_flops(flops)} ({_flops(e.recompute_flops)}) | "
+                     f"{1e3 * r.comm_s:.4g} | {exposed} | {1e3 * r.compute_s:.4g} | {r.us_per_token:.4g} |")
     return "\n".join(lines)
 
 
@@ -62,17 +101,23 @@ def calls(p: Plan, r: Row) -> str:
     """The setup of row ``r``: mesh, TP plan, ``parametrize``, ``apply_ac``."""
     c = r.candidate
     dp = p.world_size // c.tp
+    shape, names = ((c.hsdp, dp // c.hsdp), ("replicate", "shard")) if c.hsdp > 1 else ((dp,), ("dp",))
     if c.tp > 1:
-        lines = [f'mesh = init_device_mesh("cuda", ({dp}, {c.tp}), mesh_dim_names=("dp", "tp"))',
-                 f'{p.tp_plan}(model, mesh["tp"])']
-    else:
-        lines = [f'mesh = init_device_mesh("cuda", ({dp},), mesh_dim_names=("dp",))']
+        shape, names = shape + (c.tp,), names + ("tp",)
+    quoted = "".join(f'"{n}", ' for n in names)
+    lines = [f'mesh = init_device_mesh("cuda", {shape!r}, mesh_dim_names=({quoted.rstrip(", ") if len(names) > 1 else quoted.rstrip()}))']
+    if c.tp > 1:
+        lines.append(f'{p.tp_plan}(model, mesh["tp"])')
     reshard = reshard_of(c.zero, p.keep_last)
-    lines.append(f"fsdptag.parametrize(model, mesh, reshard_after_forward={reshard!r}, "
+    mode = 'mode="hybrid_shard", ' if c.hsdp > 1 else ""
+    lines.append(f"fsdptag.parametrize(model, mesh, {mode}reshard_after_forward={reshard!r}, "
                  "mp_policy=fsdptag.MixedPrecisionPolicy(torch.bfloat16, torch.float32))")
     if AC_CALLS[c.ac]:
         lines.append(AC_CALLS[c.ac])
-    lines.append(f"# batch: {c.batch} x {r.estimate.seq_len} tokens per data-parallel rank")
+    lines.append(f"# batch: {c.batch} x {r.estimate.seq_len} tokens per data-parallel rank"
+                 + (f" and microbatch, {c.microbatches} microbatches per step: "
+                    "fsdptag.set_requires_gradient_sync(model, False) before all but the last backward"
+                    if c.microbatches > 1 else ""))
     return "\n".join(lines)
 
 
