@@ -1,7 +1,7 @@
 """The estimator's tables in docs/estimates.md and the README's "Will it fit?".
 
     python benchmarks/estimate_tables.py [MODEL:WORLD:TP ...] > estimate_tables.md
-    python benchmarks/estimate_tables.py --speed     # one llama3-8b estimate at world 64, timed
+    python benchmarks/estimate_tables.py --speed     # 70B estimate, 8B and 405B sweeps: composed vs full depth
     python benchmarks/estimate_tables.py --plan      # the planner: llama3-8b and an HF Llama 3 8B config
     python benchmarks/estimate_tables.py --validate  # estimates next to real 2-rank gloo steps
 
@@ -19,6 +19,8 @@ for real on 2 gloo ranks and on fake tensors, and prints both side by side.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import sys
 import tempfile
 import time
@@ -69,14 +71,28 @@ def memory_tables(setups) -> None:
         print(f"\n({time.perf_counter() - t0:.0f} s)")
 
 
+SPEED = [  # the commands of issue 26's targets (docs/estimates.md, "Estimates in seconds at any depth")
+    ("estimate", "--model llama3-70b --world-size 256 --tp 8 --reshard-after-forward false --ac full --policy tagged"),
+    ("plan", "--model llama3-8b --world-size 64 --memory 80GiB --tp 1,2,4,8"),
+    ("plan", "--model llama3-405b --world-size 512 --memory 80GiB --tp 8"),
+]
+
+
 def speed() -> None:
-    """Wall and CPU seconds (the CPU figure is what a machine of one's own would take)."""
-    for tp in (8, 1):
-        for policies in (("tagged",), est.POLICIES):
+    """Each command composed, then with ``--full-depth`` (every block run, as before
+    composition), in this process: wall and CPU seconds, and whether the two printed
+    the same tables (the lines with timings left out)."""
+    for tool, args in SPEED:
+        main_fn = planner.main if tool == "plan" else est.main
+        outputs, times = [], []
+        for extra in ([], ["--full-depth"]):
             t0, cpu0 = time.perf_counter(), time.process_time()
-            est.estimate("llama3-8b", 64, tp=tp, reshard_after_forward=False, ac="selective", policies=policies)
-            print(f"llama3-8b, world 64, TP {tp}, zero2, selective AC, {len(policies)} policies: "
-                  f"{time.perf_counter() - t0:.1f} s ({time.process_time() - cpu0:.1f} s CPU)", flush=True)
+            with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.redirect_stderr(io.StringIO()):
+                main_fn(args.split() + extra)
+            times.append(f"{time.perf_counter() - t0:.1f} s wall ({time.process_time() - cpu0:.1f} s CPU)")
+            outputs.append([line for line in out.getvalue().splitlines() if "estimated in" not in line])
+        print(f"python -m fsdptag.{tool} {args}: composed {times[0]}, --full-depth {times[1]}, "
+              f"{'same' if outputs[0] == outputs[1] else 'DIFFERENT'} output", flush=True)
 
 
 def hf_config(directory: str, sizes: dict) -> str:

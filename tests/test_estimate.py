@@ -191,6 +191,23 @@ def test_composed_depth_equals_full_run():
             assert dataclasses.asdict(f) == dataclasses.asdict(g), (depth, c)
 
 
+@pytest.mark.skipif(transformers is None, reason="needs transformers")
+def test_composed_depth_equals_full_run_transformers(tmp_path):
+    """A transformers Llama config composes by ``num_hidden_layers`` (Note [Composed
+    depth]), equal to running its 5 layers (qwen3 checked the same way by hand)."""
+    transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=176, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=256, max_position_embeddings=32, rms_norm_eps=1e-5,
+    ).save_pretrained(tmp_path)
+    spec = est.hf_config_model(str(tmp_path / "config.json"), seq_len=32)
+    assert spec.depth == 5
+    C = est.StepConfig
+    cases = [C(reshard_after_forward=False, ac="selective"), C(tp=2, reshard_after_forward=True, ac="full")]
+    full = list(est.estimate_each(spec, 4, cases, compose=False))
+    for c, f, g in zip(cases, full, est.estimate_each(spec, 4, cases)):
+        assert dataclasses.asdict(f) == dataclasses.asdict(g), c
+
+
 def test_what_composes():
     """Which depths an estimate measures (Note [Composed depth]); None: every block runs."""
     from fsdptag.tools.compose import compose_depths

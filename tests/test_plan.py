@@ -195,3 +195,23 @@ def test_sweep_axes_hsdp_microbatches():
 mesh = init_device_mesh("cuda", (2, 2), mesh_dim_names=("replicate", "shard"))
 fsdptag.parametrize(model, mesh, mode="hybrid_shard", reshard_after_forward=False, mp_policy=fsdptag.MixedPrecisionPolicy(torch.bfloat16, torch.float32))
 # batch: 2 x 64 tokens per data-parallel rank and microbatch, 2 microbatches per step: fsdptag.set_requires_gradient_sync(model, False) before all but the last backward""")
+
+
+def test_overlap_proxy_and_no_overlap(swept):
+    """The time proxy replays the timeline (Note [Exposed communication]): what is exposed
+    is at most every collective's time summed, and some is hidden (prefetch, reductions in
+    flight); ``Rates(overlap=False)`` (``--no-overlap``) is comm + compute."""
+    for r in swept.rows:
+        assert 0 <= r.exposed_s < r.comm_s, r.candidate
+        assert r.step_s == r.compute_s + r.exposed_s
+    row = swept.rows[0]
+    rates = planner.Rates(overlap=False)
+    plain = planner.Row(row.candidate, row.estimate, *planner.time_proxy(row.estimate, rates), row.fits)
+    assert plain.exposed_s is None and plain.step_s == plain.comm_s + plain.compute_s
+    # zero2 without AC, compute 1000x slower: all that stays exposed is what no compute can
+    # hide, the root's and the first block's gathers (nothing runs before them) and the last
+    # block's and the root's reductions (nothing runs after them): ring halves over 50 GB/s
+    assert row.candidate == planner.Candidate("zero2", "none", 1, 1)
+    slow = planner.Rates(device_flops=planner.Rates().device_flops / 1000)
+    floor = (65664 + 92416 + 184832 + 131328) / 2 / 50e9
+    assert planner.exposed_proxy(row.estimate, slow) == pytest.approx(floor, rel=1e-9)

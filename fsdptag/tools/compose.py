@@ -67,11 +67,15 @@ def compose_depths(depth: int | None, reshard_after_forward: Any, ac: str,
     peaks are off the line (measured: FSDP2 zero3, keep-last with selective AC).
     From there on every count of the built-in Llama is on the line, byte for byte:
     ``benchmarks/compose_check.py`` (45 configurations at depths 7 and 8),
-    tests/test_estimate.py (5 of them), docs/estimates.md (a llama3-8b sweep). Per-module settings (``reshard_after_forward`` as a
-    dict or a function) name blocks by position, so those run every block, as do
-    models without ``ModelSpec.at_depth`` and models not deeper than ``a + p``;
-    :data:`KEEP_LAST` (the planner's zero3-keep-last) names the last block of
-    whichever copy is built, so it composes.
+    tests/test_estimate.py (5 of them, and a transformers Llama config: configs of
+    the dense types in ``models.HF_UNIFORM_TYPES`` compose by ``num_hidden_layers``).
+    The step's timeline (Note [Exposed communication] in ``overlap.py``) composes
+    the same way, phase by phase: depth ``a + p`` repeats a run of records depth
+    ``a`` lacks (``overlap.splice``). Per-module settings (``reshard_after_forward``
+    as a dict or a function) name blocks by position, so those run every block, as
+    do models without ``ModelSpec.at_depth`` (factories, other transformers types)
+    and models not deeper than ``a + p``; :data:`KEEP_LAST` (the planner's
+    zero3-keep-last) names the last block of whichever copy is built, so it composes.
     """
     if depth is None or not (isinstance(reshard_after_forward, (bool, int)) or reshard_after_forward == KEEP_LAST):
         return None

@@ -4,6 +4,7 @@ transformers config's ``base_model_tp_plan``)."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 from dataclasses import dataclass, replace
@@ -88,7 +89,30 @@ def hf_config_model(path: str, *, seq_len: int | None = None,
         raise ValueError(f"cannot read a transformers config from {path!r} ({e}); pass a config.json or "
                          "the directory holding it") from None
     config.use_cache = False
-    return ModelSpec(f"{config.model_type} ({path})", functools.partial(_hf_build, config), None, seq_len, tp_plan)
+    depth = _hf_uniform_depth(config)
+    return ModelSpec(f"{config.model_type} ({path})", functools.partial(_hf_build, config), None, seq_len, tp_plan,
+                     depth=depth, at_depth=functools.partial(_hf_at_depth, config) if depth else None)
+
+
+# transformers model types whose decoder layers are all alike when ``layer_types`` (if
+# the config has it) names one kind: their depth composes (Note [Composed depth]). Others
+# (MoE configs with dense first layers or sparse steps, ...) run every block.
+HF_UNIFORM_TYPES = frozenset(("llama", "mistral", "qwen2", "qwen3"))
+
+
+def _hf_uniform_depth(config) -> int | None:
+    layer_types = getattr(config, "layer_types", None)
+    if config.model_type not in HF_UNIFORM_TYPES or (layer_types and len(set(layer_types)) > 1):
+        return None
+    return getattr(config, "num_hidden_layers", None)
+
+
+def _hf_at_depth(config, n_layers: int) -> Callable[[], nn.Module]:
+    shallow = copy.deepcopy(config)
+    shallow.num_hidden_layers = n_layers
+    if getattr(shallow, "layer_types", None):
+        shallow.layer_types = shallow.layer_types[:n_layers]
+    return functools.partial(_hf_build, shallow)
 
 
 def _hf_build(config) -> nn.Module:

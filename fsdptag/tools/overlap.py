@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+from .._compat import resolve_group
 from ..debug import CollectiveCounter
 
 __all__ = ["TimelineCounter", "exposed_s", "splice", "transfer_s"]
@@ -37,9 +38,16 @@ class TimelineCounter(CollectiveCounter):
     def _issue_new(self) -> None:
         while self._recorded < len(self.events):
             e = self.events[self._recorded]
-            self.records.append(("i", self._since(), e.kind, e.group, e.nbytes))
+            self.records.append(("i", self._since(), e.kind, self._label(e.group), e.nbytes))
             self._open.append(self._recorded)
             self._recorded += 1
+
+    def _label(self, group: str) -> str:
+        """A group off the meshes (FSDP2's k-rank groups of partial reshard, named by a
+        process-wide counter) as ``"?/k"``: a k-rank group, the same in every run."""
+        if group in self.labels.values():
+            return group
+        return f"?/{resolve_group(group).size()}"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = super().__torch_dispatch__(func, types, args, kwargs)
