@@ -161,6 +161,7 @@ def test_bad_inputs_name_the_fix():
         lambda: planner.plan("llama3-debug", 2, BUDGET, batch=[]),
         lambda: planner.plan("llama3-debug", 2, BUDGET, hsdp=[0]),
         lambda: planner.plan("llama3-debug", 2, BUDGET, microbatches=[1, -2]),
+        lambda: planner.plan("llama3-debug", 2, BUDGET, jobs=0),
         lambda: planner.main(["--model", "llama3-debug", "--world-size", "2", "--memory", "lots"]),
     ])
     assert_expected_inline(text, """\
@@ -171,9 +172,19 @@ ValueError: ac=['most']: use some of ('none', 'full', 'selective', 'layer')
 ValueError: batch=[]: pass sequences per data-parallel rank >= 1, e.g. --batch 1,2
 ValueError: hsdp=[0]: pass HSDP replica counts >= 1 (1: fully sharded), e.g. --hsdp 1,8
 ValueError: microbatches=[1, -2]: pass forward+backward passes per optimizer step >= 1, e.g. --microbatches 1,4
+ValueError: jobs=0: pass the number of processes to estimate in, >= 1 (e.g. --jobs 2)
 ValueError: cannot read 'lots'; write a positive number with an optional unit, e.g. 80GiB, 50GB/s, 400T""")
     assert planner.parse_bytes("80GiB") == 80 * 2**30 and planner.parse_bytes("50GB/s", "B/s") == 50e9
     assert planner.parse_bytes("400TFLOPS", "FLOP/s") == 400e12 == planner.parse_bytes("4e14")
+
+
+def test_parallel_sweep_is_the_sequential_one():
+    """Note [Parallel sweep]: TP degrees estimated in two processes give the rows, in
+    order, that one process gives."""
+    args = dict(seq_len=SEQ, ac=["none", "full"], tp=[1, 2])
+    one, two = planner.plan("llama3-debug", 4, BUDGET, **args), planner.plan("llama3-debug", 4, BUDGET, jobs=2, **args)
+    assert [(r.candidate, r.estimate) for r in one.rows] == [(r.candidate, r.estimate) for r in two.rows]
+    assert (one.skipped, one.tp_plan) == (two.skipped, two.tp_plan) and len(one.rows) >= 8
 
 
 def test_sweep_axes_hsdp_microbatches():

@@ -1,14 +1,19 @@
-"""The step's collectives in the order the runtime issues and waits them, and the time
-a rank spends waiting for them (Note [Exposed communication])."""
+"""The step's collectives in the order the runtime issues and waits them, the time a
+rank spends waiting for them (Note [Exposed communication]), and the planner's time
+proxy built on it (Note [Time proxy] in ``plan.py``)."""
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from .._compat import resolve_group
 from ..debug import CollectiveCounter
 
-__all__ = ["TimelineCounter", "exposed_s", "splice", "transfer_s"]
+if TYPE_CHECKING:  # annotations only
+    from .estimate import MemoryEstimate
+
+__all__ = ["Rates", "TimelineCounter", "exposed_proxy", "exposed_s", "splice", "time_proxy", "transfer_s"]
 
 # A timeline is a tuple of records, each with the FLOPs dispatched since the record before:
 #   ("i", flops, kind, group, nbytes)  a collective issued
@@ -162,3 +167,41 @@ def exposed_s(timeline: Sequence[tuple], flops_per_s: float, sizes: dict[str, in
             t = max(t, flight.pop(len(flight) - 1 - r[2]))
     t = max([t, *flight])
     return t - compute
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What the time proxy divides by (Note [Time proxy]), per GPU."""
+
+    bandwidth: float = 50e9  # bytes/s, data-parallel collectives
+    tp_bandwidth: float = 450e9  # bytes/s, TP collectives
+    partial_bandwidth: float = 450e9  # bytes/s, partial reshard's k-group re-gathers (within a node)
+    device_flops: float = 400e12  # FLOP/s
+    overlap: bool = True  # False: comm_s + compute_s (--no-overlap)
+
+
+def _ring(n: int) -> float:
+    return (n - 1) / n
+
+
+def time_proxy(e: "MemoryEstimate", rates: Rates = Rates()) -> tuple[float, float]:
+    """``(comm_s, compute_s)`` of one estimated step (Note [Time proxy])."""
+    shard = e.world_size // e.tp // e.hsdp_replicas
+    dp_bytes = ((e.fsdp_all_gather_bytes + e.fsdp_reduce_scatter_bytes) * _ring(shard)
+                + 2 * e.fsdp_all_reduce_bytes * _ring(e.hsdp_replicas) + e.other_collective_bytes)
+    tp_bytes = (e.tp_all_gather_bytes + e.tp_reduce_scatter_bytes + 2 * e.tp_all_reduce_bytes) * _ring(e.tp)
+    ks = [v for v in (e.reshard_after_forward.values() if isinstance(e.reshard_after_forward, dict)
+                      else [e.reshard_after_forward]) if not isinstance(v, bool) and v > 1]
+    partial_bytes = e.fsdp_partial_all_gather_bytes * _ring(max(ks, default=1))
+    comm = dp_bytes / rates.bandwidth + tp_bytes / rates.tp_bandwidth + partial_bytes / rates.partial_bandwidth
+    return comm, (e.forward_flops + e.backward_flops + e.recompute_flops) / rates.device_flops
+
+
+def exposed_proxy(e: "MemoryEstimate", rates: Rates = Rates()) -> float:
+    """Seconds of the step's communication compute does not hide (Note [Exposed communication])."""
+    if not e.timeline:
+        raise ValueError("this estimate has no timeline (made without measure_step?); use Rates(overlap=False)")
+    dp = e.world_size // e.tp
+    sizes = {"dp": dp, "shard": dp // e.hsdp_replicas, "replicate": e.hsdp_replicas, "tp": e.tp}
+    return exposed_s(e.timeline, rates.device_flops, sizes,
+                     {"dp": rates.bandwidth, "tp": rates.tp_bandwidth, "partial": rates.partial_bandwidth})

@@ -46,6 +46,9 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import multiprocessing
+import os
+import pickle
 import re
 import sys
 import time
@@ -56,7 +59,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .compose import KEEP_LAST, keep_last_of, keep_last_policy
-from .overlap import exposed_s
+from .overlap import Rates, exposed_proxy, time_proxy
 from .estimate import (AC_MODES, MemoryEstimate, ModelSpec, StepConfig, add_model_args, complete_spec,
                        estimate_each, model_spec, spec_from_args)
 from .report import format_plan, label, plot, pyplot, reshard_of, size
@@ -65,17 +68,6 @@ __all__ = ["ZERO_MODES", "Candidate", "Plan", "Rates", "Row", "exposed_proxy", "
            "parse_bytes", "plan", "plot", "time_proxy"]
 
 ZERO_MODES = ("zero2", "zero3", "zero3-keep-last", "zero3@k")
-
-
-@dataclass(frozen=True)
-class Rates:
-    """What the time proxy divides by (Note [Time proxy]), per GPU."""
-
-    bandwidth: float = 50e9  # bytes/s, data-parallel collectives
-    tp_bandwidth: float = 450e9  # bytes/s, TP collectives
-    partial_bandwidth: float = 450e9  # bytes/s, partial reshard's k-group re-gathers (within a node)
-    device_flops: float = 400e12  # FLOP/s
-    overlap: bool = True  # False: comm_s + compute_s (--no-overlap)
 
 
 @dataclass(frozen=True)
@@ -135,45 +127,20 @@ def _speed(r: Row) -> tuple[float, int]:
     return (r.us_per_token, r.estimate.peak_bytes)
 
 
-def _ring(n: int) -> float:
-    return (n - 1) / n
-
-
-def time_proxy(e: MemoryEstimate, rates: Rates = Rates()) -> tuple[float, float]:
-    """``(comm_s, compute_s)`` of one estimated step (Note [Time proxy])."""
-    shard = e.world_size // e.tp // e.hsdp_replicas
-    dp_bytes = ((e.fsdp_all_gather_bytes + e.fsdp_reduce_scatter_bytes) * _ring(shard)
-                + 2 * e.fsdp_all_reduce_bytes * _ring(e.hsdp_replicas) + e.other_collective_bytes)
-    tp_bytes = (e.tp_all_gather_bytes + e.tp_reduce_scatter_bytes + 2 * e.tp_all_reduce_bytes) * _ring(e.tp)
-    ks = [v for v in (e.reshard_after_forward.values() if isinstance(e.reshard_after_forward, dict)
-                      else [e.reshard_after_forward]) if not isinstance(v, bool) and v > 1]
-    partial_bytes = e.fsdp_partial_all_gather_bytes * _ring(max(ks, default=1))
-    comm = dp_bytes / rates.bandwidth + tp_bytes / rates.tp_bandwidth + partial_bytes / rates.partial_bandwidth
-    return comm, (e.forward_flops + e.backward_flops + e.recompute_flops) / rates.device_flops
-
-
-def exposed_proxy(e: MemoryEstimate, rates: Rates = Rates()) -> float:
-    """Seconds of the step's communication compute does not hide (Note [Exposed communication])."""
-    if not e.timeline:
-        raise ValueError("this estimate has no timeline (made without measure_step?); use Rates(overlap=False)")
-    dp = e.world_size // e.tp
-    sizes = {"dp": dp, "shard": dp // e.hsdp_replicas, "replicate": e.hsdp_replicas, "tp": e.tp}
-    return exposed_s(e.timeline, rates.device_flops, sizes,
-                     {"dp": rates.bandwidth, "tp": rates.tp_bandwidth, "partial": rates.partial_bandwidth})
-
-
 def plan(model: str | ModelSpec | Callable[[], nn.Module], world_size: int, memory_bytes: int, *,
          tp: Sequence[int] = (1,), batch: Sequence[int] = (1,), ac: Sequence[str] = AC_MODES,
          rates: Rates = Rates(), seq_len: int | None = None,
          tp_plan: Callable[[nn.Module, DeviceMesh], None] | None = None,
          progress: Callable[[Row], None] | None = None, partial: Sequence[int] = (),
-         hsdp: Sequence[int] = (1,), microbatches: Sequence[int] = (1,), compose: bool = True) -> Plan:
+         hsdp: Sequence[int] = (1,), microbatches: Sequence[int] = (1,), compose: bool = True,
+         jobs: int = 1) -> Plan:
     """Estimate every configuration (module docstring) and mark the Pareto set.
     ``partial``: k values of ``reshard_after_forward=k`` to try ("zero3@k") where zero3
     fits and zero2 does not. ``hsdp``: HSDP replica counts (1: fully sharded);
     ``microbatches``: forward+backward passes per optimizer step. ``compose``: as
     :func:`fsdptag.estimate.estimate` (two shallow copies measured, the other blocks
-    composed: Note [Composed depth]).
+    composed: Note [Composed depth]). ``jobs``: processes estimating TP degrees side by
+    side (Note [Parallel sweep]).
 
     A TP degree whose estimate raises ``ValueError`` (no TP plan, heads not divisible,
     world size not divisible) is skipped with the reason in ``Plan.skipped``, as is a
@@ -186,28 +153,62 @@ def plan(model: str | ModelSpec | Callable[[], nn.Module], world_size: int, memo
         Candidate(zero='zero2', ac='none', tp=2, batch=1, hsdp=1, microbatches=1)
     """
     _check(world_size, memory_bytes, tp, batch, ac, hsdp, microbatches)
+    if not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"jobs={jobs!r}: pass the number of processes to estimate in, >= 1 (e.g. --jobs 2)")
     spec = complete_spec(model_spec(model, seq_len=seq_len, tp_plan=tp_plan))
     result = Plan(spec.name, world_size, memory_bytes, rates, [], keep_last=keep_last_of(spec.build))
-    for degree in tp:
-        replicas = []
-        for r in hsdp:
-            dp = world_size // degree
-            if world_size % degree == 0 and (r == 1 or (dp % r == 0 and dp // r > 1)):
-                replicas.append(r)
-            else:
-                result.skipped.append(f"tp={degree} hsdp={r}: {dp} data-parallel ranks do not split into {r} "
-                                      f"replicas of 2 or more")
-        try:
-            result.rows += _sweep(spec, result, degree, replicas, batch, microbatches, ac, progress, partial,
-                                  compose)
-        except ValueError as e:
-            result.skipped.append(f"tp={degree}: {e}")
-            continue
-        if degree > 1 and result.tp_plan is None:
-            fn = complete_spec(spec, True).tp_plan
-            result.tp_plan = f"{fn.__module__}.{fn.__qualname__}"
+    tasks = [(spec, result, degree, hsdp, batch, microbatches, ac, progress, partial, compose) for degree in tp]
+    jobs = min(jobs, len(tasks))
+    if jobs > 1 and _picklable(tasks[0]):  # Note [Parallel sweep]
+        with multiprocessing.get_context("spawn").Pool(jobs) as pool:
+            done = pool.map(_degree, tasks, chunksize=1)
+    else:
+        done = [_degree(t) for t in tasks]
+    for rows, skipped, tp_plan_name in done:
+        result.rows += rows
+        result.skipped += skipped
+        result.tp_plan = result.tp_plan or tp_plan_name
     _mark_pareto(result.rows)
     return result
+
+
+def _picklable(task) -> bool:
+    try:
+        pickle.dumps(task)
+        return True
+    except (pickle.PicklingError, AttributeError, TypeError):
+        return False
+
+
+def _degree(task) -> tuple[list[Row], list[str], str | None]:
+    """One TP degree's rows, what was skipped and why, and its TP plan's name.
+
+    Note [Parallel sweep]
+    ---------------------
+    The TP degrees are independent: each has its own fake process group and mesh, its
+    own optimizer reuse (Note [Optimizer reuse]: layouts differ by degree) and its own
+    zero3-keep-last choices, so ``jobs`` worker processes (``spawn``: fresh interpreters,
+    no process group inherited) take one degree each and the rows come back in the
+    order of ``tp``, the same rows as one process makes. A model that does not pickle
+    (a lambda factory) runs in this process."""
+    spec, p, degree, hsdp, batch, microbatches, ac, progress, partial, compose = task
+    replicas, skipped = [], []
+    dp = p.world_size // degree
+    for r in hsdp:
+        if p.world_size % degree == 0 and (r == 1 or (dp % r == 0 and dp // r > 1)):
+            replicas.append(r)
+        else:
+            skipped.append(f"tp={degree} hsdp={r}: {dp} data-parallel ranks do not split into {r} "
+                           f"replicas of 2 or more")
+    try:
+        rows = _sweep(spec, p, degree, replicas, batch, microbatches, ac, progress, partial, compose)
+    except ValueError as e:
+        return [], skipped + [f"tp={degree}: {e}"], None
+    name = None
+    if degree > 1:
+        fn = complete_spec(spec, True).tp_plan
+        name = f"{fn.__module__}.{fn.__qualname__}"
+    return rows, skipped, name
 
 
 def _check(world_size: int, memory_bytes: int, tp, batch, ac, hsdp=(1,), microbatches=(1,)) -> None:
@@ -294,6 +295,12 @@ def _ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"{text!r}: write comma-separated integers, e.g. 1,2,4,8") from None
 
 
+def _cpu_s() -> float:
+    """CPU seconds of this process and of its finished children (the sweep's workers)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 def main(argv: list[str] | None = None) -> Plan:
     ap = argparse.ArgumentParser(prog="python -m fsdptag.plan", description=__doc__.splitlines()[0])
     add_model_args(ap)
@@ -320,6 +327,8 @@ def main(argv: list[str] | None = None) -> Plan:
     ap.add_argument("--plot", default=None, metavar="OUT.png", help="memory vs time proxy (needs matplotlib)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--all", action="store_true", help="also print every configuration")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                    help="processes estimating TP degrees side by side (default: the CPUs, here %(default)s)")
     ap.add_argument("--full-depth", action="store_true",
                     help="run every block of every estimate instead of composing (the same numbers, slower)")
     args = ap.parse_args(argv)
@@ -329,16 +338,17 @@ def main(argv: list[str] | None = None) -> Plan:
     memory = int(parse_bytes(args.memory))
     if args.plot:
         pyplot()  # before the sweep, not after it
-    t0, cpu0 = time.perf_counter(), time.process_time()
+    t0, cpu0 = time.perf_counter(), _cpu_s()
     p = plan(spec_from_args(args), args.world_size, memory, tp=args.tp, batch=args.batch, ac=args.ac,
              rates=rates, progress=functools.partial(_progress, t0), partial=args.partial_reshard,
-             hsdp=args.hsdp, microbatches=args.microbatches, compose=not args.full_depth)
+             hsdp=args.hsdp, microbatches=args.microbatches, compose=not args.full_depth, jobs=args.jobs)
     seq = p.rows[0].estimate.seq_len if p.rows else args.seq_len
     print(f"{p.model}: world {p.world_size}, seq {seq}, memory {size(memory)} per GPU; time proxy: "
           f"bytes sent / {rates.bandwidth / 1e9:g} GB/s (data parallel), / {rates.tp_bandwidth / 1e9:g} GB/s (TP) "
           f"+ FLOPs / {rates.device_flops / 1e12:g} TFLOP/s, "
           f"{'exposed communication only' if rates.overlap else 'no overlap'}; {len(p.rows)} configurations estimated in "
-          f"{time.perf_counter() - t0:.0f} s ({time.process_time() - cpu0:.0f} s CPU)\n")
+          f"{time.perf_counter() - t0:.0f} s ({_cpu_s() - cpu0:.0f} s CPU, {min(args.jobs, len(args.tp))} "
+          f"process{'es' if min(args.jobs, len(args.tp)) > 1 else ''})\n")
     print(format_plan(p, args.all))
     if args.json:
         with open(args.json, "w") as f:
