@@ -17,7 +17,7 @@ root) it is this policy with ``base=None``.
 from __future__ import annotations
 
 import functools
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint

@@ -94,7 +94,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 from ._api import MixedPrecisionPolicy
-from ._compat import graph_task_id, sac_hidden
+from ._compat import graph_task_id, local_of, replace_local, sac_hidden
 from ._compiled import forget_live, register_live, traced_gather
 from ._context import GatherContext, gather_context, in_inference, running_backward, sac_region
 from ._float8 import Float8Cast
@@ -182,7 +182,7 @@ class Bucket:
             params = self.stored()
         if self.compiled:
             return
-        shards = [p._local_tensor for p in params]
+        shards = [local_of(p) for p in params]
         if len({(s.dtype, s.device) for s in shards}) != 1:
             self.flat, self.locals = None, ()  # mixed after a user's .to(): stay unbound
             return
@@ -194,7 +194,7 @@ class Bucket:
                 view.copy_(shard)
                 views.append(view)
         for p, view in zip(params, views):
-            p._local_tensor = view
+            replace_local(p, view)
         self.flat, self.locals = flat, tuple(views)
 
     def part(self, name: str, params: list[ParamGather]) -> Bucket:
@@ -220,8 +220,8 @@ class Bucket:
             return
         with torch.no_grad():
             for p in self.stored():
-                if any(p._local_tensor is v for v in self.locals):
-                    p._local_tensor = p._local_tensor.clone()
+                if any(local_of(p) is v for v in self.locals):
+                    replace_local(p, local_of(p).clone())
         self.flat, self.locals = None, ()
 
     def stored(self) -> list[DTensor]:
@@ -229,7 +229,7 @@ class Bucket:
         return [p.module_info.stored for p in self.params]
 
     def _is_bound(self, params) -> bool:
-        return self.flat is not None and all(p._local_tensor is v for p, v in zip(params, self.locals))
+        return self.flat is not None and all(local_of(p) is v for p, v in zip(params, self.locals))
 
     def _packed(self, shards: list[torch.Tensor], tagged: bool) -> torch.Tensor:
         """The flat per-rank buffer built from ``shards`` (the unbound path)."""
@@ -337,14 +337,14 @@ class Bucket:
         packed), tagged, cast to ``param_dtype``; ``served``: answered by that prefetch
         (Note [Prefetch]). With it, a float8 bucket's scales (else None)."""
         if served is not None:  # its data is never read: a stand-in once unbound mid-forward
-            stand_in = self.flat if self.flat is not None else params[0]._local_tensor.new_empty(self.numel)
+            stand_in = self.flat if self.flat is not None else local_of(params[0]).new_empty(self.numel)
             flat = ServedInput(stand_in, self.tag, served)
             if self.float8 is not None:  # cast when it was issued
                 return flat, served.scales
         elif self._is_bound(params):
             flat = FSDPTaggedTensor(self.flat, self.tag) if tagged else self.flat
         else:
-            flat = self._packed([p._local_tensor for p in params], tagged)
+            flat = self._packed([local_of(p) for p in params], tagged)
         if self.float8 is not None:  # scales and cast hidden from checkpoint regions (Note [Float8 all-gather])
             plain = flat._elem if type(flat) is FSDPTaggedTensor else flat
             with torch.no_grad(), sac_hidden():

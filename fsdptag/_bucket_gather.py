@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.distributed.tensor import DTensor
 
-from ._compat import contiguous_strides, sac_hidden
+from ._compat import chunk_cat, contiguous_strides, dtensor_of, local_of, sac_hidden
 from ._context import Zero2, in_inference, running_backward
 from ._keep import KeptGather
 from ._layout import copy_out
@@ -33,14 +33,14 @@ class _GatherBucket(torch.autograd.Function):
                 reuse: KeptGather | None, keep: Zero2 | None, *params: DTensor):
         ctx.bucket = bucket
         ctx.specs = [p._spec for p in params]
-        ctx.local_shapes = [p._local_tensor.shape for p in params]
+        ctx.local_shapes = [local_of(p).shape for p in params]
         ctx.kept = None
         node = ctx if any(p.requires_grad for p in params) else None  # frozen weights: no backward
         if reuse is not None:  # a recompute served from the forward's gather
             bucket.keeper.adopt(reuse, node)
             return bucket.hand_out(reuse.pieces, reuse.scales)
         if not bucket.copies():  # DDP without a cast: aliases of the stored shards, no views,
-            return tuple(p._local_tensor.detach() for p in params)  # so in place is as in DDP
+            return tuple(local_of(p).detach() for p in params)  # so in place is as in DDP
         # No FSDP op to checkpoint under inference_mode (which would also turn the cast
         # into aten.to.dtype, outside the tag table).
         tagged = tagged and not in_inference()
@@ -85,7 +85,7 @@ class _GatherBucket(torch.autograd.Function):
         ]
         numel = bucket.numel if all(needs) else sum(s.numel for s, need in zip(bucket.slots, needs) if need)
         packed = grads[0].new_empty(bucket.world, numel, dtype=bucket.reduce_dtype or grads[0].dtype)
-        torch._chunk_cat(grads, dim=0, num_chunks=bucket.world, out=packed)
+        chunk_cat(grads, bucket.world, packed)
         if bucket.unsynced_grad is not None:  # Note [Accumulation without sync] in _sync.py
             if bucket.unsynced_needs != needs:
                 bucket.unsynced_grad = None
@@ -111,7 +111,7 @@ class _GatherBucket(torch.autograd.Function):
             offset += slot.numel
             if g.dtype != spec.tensor_meta.dtype:
                 g = g.to(spec.tensor_meta.dtype)
-            out.append(DTensor(g, spec, requires_grad=False))
+            out.append(dtensor_of(g, spec))
         out.reverse()
         out = [out.pop() if need else None for need in needs]
         return (None, None, None, None, None, *out)

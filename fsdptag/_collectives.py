@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
-from ._compat import AsyncCollectiveTensor, OncePerBackward, lazy_wait, replace_local
+from ._compat import AsyncCollectiveTensor, OncePerBackward, lazy_wait, local_of, replace_local
 
 __all__ = ["GradientReduction", "Reducer", "gradient_reduction", "reduce_gradient"]
 
@@ -160,5 +160,5 @@ class Reducer:
         params, self.lazy_params = self.lazy_params, []
         for p in params:
             g = p.grad
-            if isinstance(g, DTensor) and isinstance(g._local_tensor, AsyncCollectiveTensor):
-                replace_local(g, g._local_tensor.elem)
+            if isinstance(g, DTensor) and isinstance(local_of(g), AsyncCollectiveTensor):
+                replace_local(g, local_of(g).elem)

@@ -45,6 +45,8 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
+from ._compat import foreach_amax, local_of
+
 __all__ = ["Float8Cast", "Float8Weight", "check_bucketed", "check_float8", "float8_weight"]
 
 c10d = torch.ops._c10d_functional
@@ -66,7 +68,7 @@ def float8_weight(param: torch.Tensor) -> Float8Weight | None:
     """The float8 weight ``param`` is (torchao's ``WeightWithDynamicFloat8CastTensor``, as
     ``enable_fsdp_float8_all_gather=True`` makes it), or None."""
     data = param.data if isinstance(param, torch.nn.Parameter) else param
-    local = data._local_tensor if isinstance(data, DTensor) else data  # TP: refused by the caller
+    local = local_of(data) if isinstance(data, DTensor) else data  # TP: refused by the caller
     cls = type(local)
     if cls.__name__ != _WEIGHT_CLASS or not cls.__module__.startswith("torchao."):
         return None
@@ -126,7 +128,7 @@ class Float8Cast:
         if backward and self.forward_scales is not None:
             return self.forward_scales
         pieces = [flat.narrow(0, s.offset, s.numel) for s in self.slots]
-        amax = torch.stack(torch._foreach_norm(pieces, float("inf"))).float()
+        amax = torch.stack(foreach_amax(pieces)).float()
         if self.world > 1:
             amax = c10d.wait_tensor(c10d.all_reduce(amax, "max", self.group_name))
         scales = self._amax_to_scale(amax, self.dtype)

@@ -54,7 +54,7 @@ import torch
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._compat import OncePerBackward, contiguous_strides
+from ._compat import OncePerBackward, contiguous_strides, local_of
 from ._context import ZERO2, Zero2, gather_context
 from ._tag import FSDPTaggedTensor, get_fsdp_tag
 
@@ -72,12 +72,12 @@ class KeptGather:
     def __init__(self, pieces, params, keeper: Keeper, scales=None) -> None:
         self.pieces = tuple(p.detach() for p in pieces)  # no autograd history: no cycle via grad_fn
         self.scales = scales  # a float8 bucket's (Note [Float8 all-gather] in _float8.py)
-        self.shards = tuple(p._local_tensor for p in params)
+        self.shards = tuple(local_of(p) for p in params)
         self.versions = tuple(s._version for s in self.shards)
         self.keeper = keeper
 
     def matches(self, params) -> bool:
-        return all(p._local_tensor is s and s._version == v
+        return all(local_of(p) is s and s._version == v
                    for p, s, v in zip(params, self.shards, self.versions))
 
     def release(self) -> None:

@@ -42,7 +42,7 @@ are bitwise those of eager), SimpleFSDP style:
   casts), as in eager.
 * Any compiled checkpoint of this DTensor code with attention needs fsdptag's fix
   of a torch 2.13 partitioner bug (Note [Compiled checkpoint, DeviceMesh saved] in
-  ``_compat.py``), installed by ``parametrize``.
+  ``_compat/compiled.py``), installed by ``parametrize``.
 * TP compiles with the whole model (``torch.compile(model)``). A TP parameter
   gathered in a block compiled on its own is refused with a clear error: torch
   2.13 cannot compile a sequence-parallel block alone (the gradient of its DTensor
@@ -66,7 +66,7 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ._api import MixedPrecisionPolicy
-from ._compat import contiguous_strides, is_compiling
+from ._compat import contiguous_strides, is_compiling, local_of
 from ._context import in_inference
 from ._keep import KeptGather, Keeper, ServeAllGather
 from ._handout import alias, check_unchanged, refuse_in_place, tag_shard, untag
@@ -274,7 +274,7 @@ class ParamGather:
         how = self.keeper.how_to_keep()
         out = self._gather(stored, tagged, copies)
         if how is not None:  # the handout's storage is the all-gather output (TP: its local tensor's)
-            local = out._local_tensor if isinstance(out, DTensor) else out
+            local = local_of(out) if isinstance(out, DTensor) else out
             self.keeper.keep(KeptGather((local,), [stored], self.keeper), how, out.grad_fn)
         return out
 

@@ -90,6 +90,6 @@ def parametrize(
     for change in plan.modules.values():
         attach(change.module, change.state)
     plan.root.install(model, plan.params, [b for c in plan.modules.values() for b in c.state.buckets])
-    fix_compiled_rng_states()  # Note [Compiled checkpoint, DeviceMesh saved] in _compat.py
+    fix_compiled_rng_states()  # Note [Compiled checkpoint, DeviceMesh saved] in _compat/compiled.py
     return model
 

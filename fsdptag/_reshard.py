@@ -47,6 +47,7 @@ import torch.nn as nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed.tensor import DTensor
 
+from ._compat import dtensor_of
 from ._context import FSDPTAG_HOOK, GatherContext, Hooks, gather_context, saved_tensor_hooks
 from ._param import ParamGather
 from ._tag import get_fsdp_tag, innermost as _innermost
@@ -102,7 +103,7 @@ class _PackedView:
         view = buffer.as_strided(self.size, self.stride, self.offset)
         if self.spec is None:
             return view
-        return DTensor(view, self.spec, requires_grad=False)
+        return dtensor_of(view, self.spec)
 
 
 class _PackedWrapper:

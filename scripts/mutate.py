@@ -98,7 +98,7 @@ MUTANTS = [
            "fsdptag/_bucket_gather.py", "        if prefetched is not None and tagged:  # issued ahead",
            "        if False:  # issued ahead", (UNIT,)),
     Mutant("backward-end-once-ever", "the end-of-backward callback is queued in the first backward only (a stale flag)",
-           "fsdptag/_compat.py", "        if task != self.queued_for:", "        if self.queued_for == -1:", (UNIT,)),
+           "fsdptag/_compat/__init__.py", "        if task != self.queued_for:", "        if self.queued_for == -1:", (UNIT,)),
     Mutant("reduction-waited-at-once", "a bucket's gradient reduction is waited right after its issue",
            "fsdptag/_collectives.py", "        if not lazy or r.post_divide is not None or self.limit == 0:",
            "        if True:", (UNIT,)),

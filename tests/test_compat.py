@@ -1,4 +1,4 @@
-"""The private torch APIs of ``fsdptag/_compat.py``: each assumption fsdptag makes, pinned.
+"""The private torch APIs of ``fsdptag/_compat/``: each assumption fsdptag makes, pinned.
 
 When a torch upgrade breaks one of these, this file names it.
 """
@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -255,3 +256,23 @@ def test_gqa_sdpa_flops_count_kv_heads_broadcast():
     kv, kv_full = torch.empty(2, 2, 16, 32, device="meta"), torch.empty(2, 8, 16, 32, device="meta")
     for op in (aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_efficient_attention):
         assert formulas[op](q, kv, kv, out_val=None) == formulas[op](q, kv_full, kv_full, out_val=None) > 0
+
+
+def test_dtensor_locals_kernels_and_ops(fake_pg):
+    """``local_of`` / ``replace_local`` / ``dtensor_of`` (DTensor's private field and
+    constructor), ``chunk_cat`` and ``foreach_amax`` (private kernels), ``OpOverload._op``
+    (the tag's dispatch calls it)."""
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    d = distribute_tensor(torch.arange(8.0), mesh, [Shard(0)], src_data_rank=None)
+    assert compat.local_of(d) is d._local_tensor and compat.local_of(d).tolist() == [0.0, 1.0]
+    again = compat.dtensor_of(torch.tensor([5.0, 6.0]), d._spec)
+    assert type(again) is type(d) and again.placements == d.placements and again.shape == d.shape
+    assert not again.requires_grad and compat.local_of(again).tolist() == [5.0, 6.0]
+    compat.replace_local(again, torch.tensor([7.0, 8.0]))
+    assert again.to_local().tolist() == [7.0, 8.0]
+    out = torch.empty(2, 3)  # rows: chunk i of every tensor, side by side (dim 0 padded)
+    compat.chunk_cat([torch.arange(4.0), torch.arange(2.0)], 2, out)
+    assert out.tolist() == [[0.0, 1.0, 0.0], [2.0, 3.0, 1.0]]
+    assert [t.item() for t in compat.foreach_amax([torch.tensor([-3.0, 2.0]), torch.tensor([0.5])])] == [3.0, 0.5]
+    add = torch.ops.aten.add.Tensor
+    assert add._op(torch.ones(1), torch.ones(1)).item() == 2.0

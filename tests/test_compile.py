@@ -356,7 +356,7 @@ def test_compiled_equals_fsdp2_compiled(results):
 
 
 def test_hugging_face_checkpointing_compiles(results):
-    """Note [Compiled checkpoint, DeviceMesh saved] in _compat.py: this failed in the
+    """Note [Compiled checkpoint, DeviceMesh saved] in _compat/compiled.py: this failed in the
     first forward; zero2 keeps its gathers (saved inside the checkpoint region)."""
     rows = result(results, "hf checkpointing")
     assert_expected_inline("\n".join(f"{k}: {v}" for k, v in rows.items()), """\

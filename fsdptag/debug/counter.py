@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .._compat import AsyncCollectiveTensor, in_backward
+from .._compat import AsyncCollectiveTensor, in_backward, local_of
 from .._partial import partial_groups
 from .._prefetch import is_served
 from .._tag import first_tag, innermost
@@ -183,7 +183,7 @@ class CollectiveCounter(TorchDispatchMode):
             return
         for x in torch.utils._pytree.tree_leaves((args, kwargs)):
             if isinstance(x, DTensor):
-                x = x._local_tensor
+                x = local_of(x)
             if isinstance(x, AsyncCollectiveTensor):
                 self._waited(x.elem)
 

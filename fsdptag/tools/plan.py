@@ -3,7 +3,7 @@
     python -m fsdptag.plan --model llama3-8b --world-size 64 --memory 80GiB [--tp 1,2,4,8] [--batch 1] \\
         [--hsdp 1,8] [--microbatches 1,4] [--partial-reshard 8] [--ac none,layer,selective,full] \\
         [--bandwidth 50GB/s] [--tp-bandwidth 450GB/s] [--device-flops 400T] [--no-overlap] \\
-        [--plot out.png] [--json out.json] [--all]
+        [--plot out.png] [--json out.json] [--all] [--jobs N]
 
 Every combination of zero2 / zero3 (and zero3 with the last block and the root's own
 parameters kept gathered, where that helps: zero2 does not fit, zero3 does), AC

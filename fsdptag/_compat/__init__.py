@@ -25,8 +25,17 @@ SAC's error texts (``SAC_REPLAY_ERRORS``)           to re-raise replay failures 
 ``_maybe_wrap_tensor``                              a gradient whose reduction is still in flight
 ``_functional_collectives._are_we_tracing``        replaced while estimating (``fakes_run_eager``):
 ``proxy_tensor.get_proxy_mode``                     fake collectives wait at first use, as real ones
-``DTensor._local_tensor`` (written)                 bound bucket storage; a gradient's local
-                                                   tensor unwrapped once its reduction is done
+``DTensor._local_tensor`` (``local_of``; written:  the local tensor without ``to_local``'s
+``replace_local``)                                  autograd op; bound bucket storage, a gradient
+                                                   unwrapped once its reduction is done (read
+                                                   directly in the tag's dispatch, a hot path)
+``DTensor(local, spec, requires_grad=)``            a DTensor from a local tensor and a known
+(``dtensor_of``)                                    spec, without ``from_local``'s checks
+``OpOverload._op``                                  the C++ op, called in the tag's dispatch (a
+                                                   hot path: used directly in ``_tag.py``)
+``torch._chunk_cat`` (``chunk_cat``)                gradients packed for the reduce-scatter in
+                                                   one kernel, as FSDP2 does
+``torch._foreach_norm`` (``foreach_amax``)          float8 scales: every weight's amax at once
 ``_python_dispatch`` mode stack pop / push          an all-gather issued ahead inside a SAC
                                                    region, unseen by its replay (``sac_hidden``)
 ``testing._internal...fake_pg.FakeStore``           the estimator's ``fake`` process group
@@ -47,43 +56,22 @@ SAC's error texts (``SAC_REPLAY_ERRORS``)           to re-raise replay failures 
                                                    (Note [Compiled buckets]; torchtitan sets it too)
 =================================================  ==========================================
 
-Note [Compiled checkpoint, DeviceMesh saved]
---------------------------------------------
-torch 2.13's partitioner, for a checkpointed region that holds a random op (CPU
-flash SDPA counts, even with ``dropout_p=0``), appends the saved RNG states to
-the forward's outputs *after* the saved opaque objects (a DTensor's
-``DeviceMesh``), while the runtime expects opaque objects last (before SymInts):
-the first compiled forward fails with ``expected all tensors_saved_with_vc_check to
-be Tensors, got types: [..., DeviceMesh]``. Any compiled checkpoint of DTensor
-code with attention hits it (HF's ``gradient_checkpointing_enable()`` with
-``layer.compile()``, a plain ``checkpoint`` in a compiled block, full AC); an
-fsdptag-free reproduction is in docs/compile.md. ``fix_compiled_rng_states``
-wraps ``functionalize_rng_ops`` to move the RNG states before the opaque objects,
-in the forward's outputs and the backward's inputs alike; it changes nothing where
-no opaque object is saved, so a torch that fixes the bug is unaffected. torch 2.14
-still has the bug, but no longer counts SDPA without dropout as random (a dropout
-in the region still hits it); torch 2.11 saves no opaque nodes, so it has no bug
-and the fix is not installed there. ``tests/test_compat.py`` pins all three.
+Compiled code's APIs sit in ``compiled.py`` (with Note [Compiled checkpoint, DeviceMesh
+saved]), the estimator's in ``estimator.py``; everything is importable from here.
+
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import functools
-import importlib
 import inspect
-import operator
 
 import torch
 import torch._dynamo  # parametrize's DTensor ops import it anyway
-import torch._functorch.partitioners as partitioners
-from torch._functorch._aot_autograd import graph_compile
 from torch._prims_common import make_contiguous_strides_for
 from torch._subclasses.fake_tensor import unset_fake_temporarily
-import torch.distributed._functional_collectives as _funcol
 from torch.distributed._functional_collectives import AsyncCollectiveTensor, _maybe_wrap_tensor
-from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -92,7 +80,15 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
 from torch.utils.checkpoint import SelectiveCheckpointContext, _CachedTorchDispatchMode, _CachingTorchDispatchMode
 
+from .compiled import allow_checkpoint_side_effects, fix_compiled_rng_states, is_opaque_node, on_compile_start
+from .estimator import fake_store, fakes_run_eager, gqa_sdpa_flop_formulas
+
 __all__ = [
+    "chunk_cat",
+    "dtensor_of",
+    "foreach_amax",
+    "is_opaque_node",
+    "local_of",
     "resolve_group",
     "OncePerBackward",
     "AsyncCollectiveTensor",
@@ -144,48 +140,6 @@ storage_from_weak = torch.UntypedStorage._new_with_weak_ptr  # (weak cdata) -> s
 # replay per op from a FIFO. Note [Policy without the output] in ``_checkpoint.py``.
 SAC_POLICY_SEES_OUTPUT = "op_output" in inspect.signature(SelectiveCheckpointContext.__init__).parameters
 
-# torch 2.13+ saves opaque objects (a DTensor's DeviceMesh) in compiled graphs as
-# opaque nodes, which is what Note [Compiled checkpoint, DeviceMesh saved] is about;
-# torch 2.11 has neither the nodes nor the bug.
-is_opaque_node = getattr(graph_compile, "is_opaque_node", None)
-
-
-_SDPA_FORWARD = ("_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
-                 "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
-
-
-def gqa_sdpa_flop_formulas(formulas: dict) -> dict:
-    """``formulas`` (``FlopCounterMode``'s, by op packet) with the SDPA ones counting
-    grouped-query attention: torch 2.13+ counts key/value heads broadcast to the
-    query's; torch 2.11's formulas assert equal head counts, so there the key and value
-    shapes are widened to the query's heads first (the same count)."""
-    aten = torch.ops.aten
-    probe = formulas[aten._scaled_dot_product_flash_attention]
-    q, kv = torch.empty(1, 4, 2, 8, device="meta"), torch.empty(1, 2, 2, 8, device="meta")
-    try:
-        probe(q, kv, kv, out_val=None)
-        return dict(formulas)
-    except AssertionError:
-        pass
-    out = dict(formulas)
-    for name in _SDPA_FORWARD:
-        for op, q_at in ((getattr(aten, name, None), 0), (getattr(aten, f"{name}_backward", None), 1)):
-            if op is not None and op in formulas:
-                out[op] = _widen_kv(formulas[op], q_at)
-    return out
-
-
-def _widen_kv(formula, q_at: int):
-    def counted(*args, **kwargs):
-        q, k, v = args[q_at:q_at + 3]
-        if k.shape[1] != q.shape[1]:
-            k, v = (torch.empty(t.shape[0], q.shape[1], *t.shape[2:], device="meta") for t in (k, v))
-            args = (*args[:q_at + 1], k, v, *args[q_at + 3:])
-        return formula(*args, **kwargs)
-
-    return counted
-
-
 def sac_storage() -> collections.defaultdict:
     """A fresh storage shared by SAC's two modes: per op, the saved outputs by op index
     (2.13+), or a FIFO (2.11, which also asks the policy in the recompute)."""
@@ -196,72 +150,6 @@ def sac_cached_mode_args(policy, storage) -> tuple:
     """The arguments of SAC's recompute mode: the policy (asked again by torch 2.11,
     ignored by 2.13+), the storage, no cache mutation."""
     return policy, storage, False
-
-
-def fake_store():
-    """A ``FakeStore`` for the ``fake`` process group (the estimator's, the tests').
-    Imported on first use: ``torch.testing`` is not part of ``import fsdptag``."""
-    return importlib.import_module("torch.testing._internal.distributed.fake_pg").FakeStore()
-
-
-def on_compile_start(fn) -> None:
-    """Call ``fn(args)`` whenever dynamo starts compiling (once per ``fn``)."""
-    handler = torch._dynamo.callback_handler
-    if fn not in handler.start_callbacks:
-        handler.register_start_callback(fn)
-
-
-def _is_rng_state(node) -> bool:
-    """A saved RNG state: ``run_and_save_rng_state(...)[0]``."""
-    return (isinstance(node, torch.fx.Node) and node.op == "call_function"
-            and node.target is operator.getitem and node.args[1] == 0
-            and isinstance(node.args[0], torch.fx.Node)
-            and node.args[0].target is torch._prims.rng_prims.run_and_save_rng_state)
-
-
-def _rng_states_before_opaque(fw_module: torch.fx.GraphModule, bw_module: torch.fx.GraphModule) -> bool:
-    """Note [Compiled checkpoint, DeviceMesh saved]: reorder; True when it had to."""
-    out = next(iter(fw_module.graph.find_nodes(op="output")))
-    outs = list(out.args[0])
-    states = [n for n in outs if _is_rng_state(n)]
-    opaque = [i for i, n in enumerate(outs) if isinstance(n, torch.fx.Node) and is_opaque_node(n)]
-    if not states or not opaque or opaque[0] > outs.index(states[0]):
-        return False
-    rest = [n for n in outs if not _is_rng_state(n)]
-    out.args = (tuple(rest[:opaque[0]] + states + rest[opaque[0]:]), *out.args[1:])
-    placeholders = list(bw_module.graph.find_nodes(op="placeholder"))
-    first_opaque = next(p for p in placeholders if is_opaque_node(p))
-    for p in placeholders:
-        if p.name.startswith("rng_state_output_"):
-            first_opaque.prepend(p)
-    fw_module.recompile()
-    bw_module.recompile()
-    return True
-
-
-def fix_compiled_rng_states() -> None:
-    """Install the fix of Note [Compiled checkpoint, DeviceMesh saved] (idempotent),
-    on a torch whose partitioner saves opaque nodes (2.13+) only."""
-    if is_opaque_node is None:
-        return
-    original = partitioners.functionalize_rng_ops
-    if getattr(original, "_fsdptag_fix", False):
-        return
-
-    @functools.wraps(original)
-    def functionalize_rng_ops(joint_module, fw_module, bw_module, num_sym_nodes):
-        fw_module, bw_module = original(joint_module, fw_module, bw_module, num_sym_nodes)
-        _rng_states_before_opaque(fw_module, bw_module)
-        return fw_module, bw_module
-
-    functionalize_rng_ops._fsdptag_fix = True
-    partitioners.functionalize_rng_ops = functionalize_rng_ops
-
-
-def allow_checkpoint_side_effects() -> None:
-    """Let dynamo trace Python attribute writes inside a checkpoint region, without
-    replaying them in the recompute (torchtitan's compile path sets the same)."""
-    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 
 
 def storage_use_count(t: torch.Tensor) -> int:
@@ -303,26 +191,31 @@ def sac_hidden():
             _push_mode(mode)
 
 
-def _eager_are_we_tracing() -> bool:  # torch's, without its "a fake mode is on" guess
-    return (torch.compiler.is_compiling() or get_proxy_mode() is not None
-            or torch._C._dispatch_tls_is_dispatch_key_included(torch._C.DispatchKey.PythonDispatcher))
-
-
-@contextlib.contextmanager
-def fakes_run_eager():
-    """Within: fake collectives wait at first use as real ones do (torch waits at once
-    under any fake mode, taking it for a trace): estimates see a real run's waits."""
-    saved, _funcol._are_we_tracing = _funcol._are_we_tracing, _eager_are_we_tracing
-    try:
-        yield
-    finally:
-        _funcol._are_we_tracing = saved
-
-
 def lazy_wait(t: torch.Tensor) -> torch.Tensor:
     """An issued collective's output, waited at its first use (an AsyncCollectiveTensor;
     now when tracing or on fakes, but see :func:`fakes_run_eager`), as DTensor does."""
     return _maybe_wrap_tensor(t)
+
+
+def local_of(d: DTensor) -> torch.Tensor:
+    """``d``'s local tensor, as it is (no autograd op, no wait)."""
+    return d._local_tensor
+
+
+def dtensor_of(local: torch.Tensor, spec) -> DTensor:
+    """A DTensor of ``local`` with DTensor spec ``spec`` (no checks, no autograd)."""
+    return DTensor(local, spec, requires_grad=False)
+
+
+def chunk_cat(tensors: list[torch.Tensor], num_chunks: int, out: torch.Tensor) -> None:
+    """Each tensor split in ``num_chunks`` along dim 0 (padded), chunk i of every tensor
+    side by side in row i of ``out``: the reduce-scatter input, one kernel."""
+    torch._chunk_cat(tensors, dim=0, num_chunks=num_chunks, out=out)
+
+
+def foreach_amax(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The max absolute value of each tensor (one foreach kernel)."""
+    return torch._foreach_norm(tensors, float("inf"))
 
 
 def replace_local(d: DTensor, local: torch.Tensor) -> None:
