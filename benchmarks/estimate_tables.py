@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import sys
 import tempfile
 import time
@@ -79,11 +78,6 @@ SPEED = [  # the commands of issue 26's targets (docs/estimates.md, "Estimates i
 ]
 
 
-def _cpu_s() -> float:  # this process's and its finished children's (the planner's workers)
-    t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
-
-
 def speed() -> None:
     """Each command composed, then with ``--full-depth`` (every block run, as before
     composition), in this process: wall and CPU seconds, and whether the two printed
@@ -92,10 +86,10 @@ def speed() -> None:
         main_fn = planner.main if tool == "plan" else est.main
         outputs, times = [], []
         for extra in ([], ["--full-depth"]):
-            t0, cpu0 = time.perf_counter(), _cpu_s()
+            t0, cpu0 = time.perf_counter(), planner.cpu_seconds()
             with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.redirect_stderr(io.StringIO()):
                 main_fn(args.split() + extra)
-            times.append(f"{time.perf_counter() - t0:.1f} s wall ({_cpu_s() - cpu0:.1f} s CPU)")
+            times.append(f"{time.perf_counter() - t0:.1f} s wall ({planner.cpu_seconds() - cpu0:.1f} s CPU)")
             outputs.append([line for line in out.getvalue().splitlines() if "estimated in" not in line])
         print(f"python -m fsdptag.{tool} {args}: composed {times[0]}, --full-depth {times[1]}, "
               f"{'same' if outputs[0] == outputs[1] else 'DIFFERENT'} output", flush=True)

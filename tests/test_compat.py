@@ -11,6 +11,7 @@ import gc
 import pytest
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
@@ -256,6 +257,34 @@ def test_gqa_sdpa_flops_count_kv_heads_broadcast():
     kv, kv_full = torch.empty(2, 2, 16, 32, device="meta"), torch.empty(2, 8, 16, 32, device="meta")
     for op in (aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_efficient_attention):
         assert formulas[op](q, kv, kv, out_val=None) == formulas[op](q, kv_full, kv_full, out_val=None) > 0
+
+
+def test_fake_collectives_wait_at_first_use_only_when_asked(fake_pg):
+    """``lazy_wait`` leaves an issued output in flight (AsyncCollectiveTensor); under a
+    fake mode torch waits at once instead (its ``_are_we_tracing``), and
+    ``fakes_run_eager`` lifts that: no ``wait_tensor`` dispatched."""
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func._opname)
+            return func(*args, **(kwargs or {}))
+
+    def waits() -> bool:
+        with FakeTensorMode():
+            t = torch.empty(2)
+            with Ops() as ops:
+                compat.lazy_wait(t)
+        return "wait_tensor" in ops.names
+
+    assert waits()
+    with compat.fakes_run_eager():
+        assert not waits()
+    assert waits()
+    assert type(compat.lazy_wait(torch.empty(2))) is compat.AsyncCollectiveTensor  # eager: in flight
 
 
 def test_dtensor_locals_kernels_and_ops(fake_pg):

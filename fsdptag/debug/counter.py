@@ -165,6 +165,7 @@ class CollectiveCounter(TorchDispatchMode):
                 nbytes,
                 in_flight_at_issue=alongside + 1,
             ))
+            self._issued(len(self.events) - 1)
             out = func(*args, **kwargs)
             if func.namespace == "_c10d_functional" and isinstance(out, torch.Tensor):
                 self._in_flight[_storage_key(out)] = (len(self.events) - 1, self._compute)
@@ -193,6 +194,9 @@ class CollectiveCounter(TorchDispatchMode):
         entry = self._in_flight.pop(_storage_key(t), None)
         if entry is not None:
             self._close(*entry)
+
+    def _issued(self, index: int) -> None:
+        """Called when ``events[index]`` is issued, before it runs (a subclass's hook)."""
 
     def _close(self, index: int, compute_at_issue: int) -> None:
         self.events[index] = dataclasses.replace(self.events[index],

@@ -31,8 +31,8 @@ class TimelineCounter(CollectiveCounter):
         super().__init__(meshes)
         self._flops = flops
         self._clock = 0
-        self._recorded = 0  # events whose issue is in the timeline
         self._open: list[int] = []  # event indices in flight, oldest first
+        self._known = set(self.labels.values())
         self.records: list[tuple] = []
 
     def _since(self) -> int:
@@ -40,28 +40,18 @@ class TimelineCounter(CollectiveCounter):
         out, self._clock = now - self._clock, now
         return out
 
-    def _issue_new(self) -> None:
-        while self._recorded < len(self.events):
-            e = self.events[self._recorded]
-            self.records.append(("i", self._since(), e.kind, self._label(e.group), e.nbytes))
-            self._open.append(self._recorded)
-            self._recorded += 1
-
     def _label(self, group: str) -> str:
         """A group off the meshes (FSDP2's k-rank groups of partial reshard, named by a
         process-wide counter) as ``"?/k"``: a k-rank group, the same in every run."""
-        if group in self.labels.values():
-            return group
-        return f"?/{resolve_group(group).size()}"
+        return group if group in self._known else f"?/{resolve_group(group).size()}"
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        self._issue_new()
-        return out
+    def _issued(self, index: int) -> None:
+        e = self.events[index]
+        self.records.append(("i", self._since(), e.kind, self._label(e.group), e.nbytes))
+        self._open.append(index)
 
     def _close(self, index: int, compute_at_issue: int) -> None:
         super()._close(index, compute_at_issue)
-        self._issue_new()  # a c10d op closes inside its own dispatch
         self.records.append(("w", self._since(), len(self._open) - 1 - self._open.index(index)))
         self._open.remove(index)
 

@@ -64,7 +64,7 @@ from .estimate import (AC_MODES, MemoryEstimate, ModelSpec, StepConfig, add_mode
                        estimate_each, model_spec, spec_from_args)
 from .report import format_plan, label, plot, pyplot, reshard_of, size
 
-__all__ = ["ZERO_MODES", "Candidate", "Plan", "Rates", "Row", "exposed_proxy", "format_plan", "keep_last_policy",
+__all__ = ["ZERO_MODES", "Candidate", "Plan", "Rates", "Row", "cpu_seconds", "exposed_proxy", "format_plan", "keep_last_policy",
            "parse_bytes", "plan", "plot", "time_proxy"]
 
 ZERO_MODES = ("zero2", "zero3", "zero3-keep-last", "zero3@k")
@@ -157,13 +157,13 @@ def plan(model: str | ModelSpec | Callable[[], nn.Module], world_size: int, memo
         raise ValueError(f"jobs={jobs!r}: pass the number of processes to estimate in, >= 1 (e.g. --jobs 2)")
     spec = complete_spec(model_spec(model, seq_len=seq_len, tp_plan=tp_plan))
     result = Plan(spec.name, world_size, memory_bytes, rates, [], keep_last=keep_last_of(spec.build))
-    tasks = [(spec, result, degree, hsdp, batch, microbatches, ac, progress, partial, compose) for degree in tp]
-    jobs = min(jobs, len(tasks))
-    if jobs > 1 and _picklable(tasks[0]):  # Note [Parallel sweep]
+    work = functools.partial(_degree, spec, result, hsdp, batch, microbatches, ac, progress, partial, compose)
+    jobs = min(jobs, len(tp))
+    if jobs > 1 and _picklable(work):  # Note [Parallel sweep]
         with multiprocessing.get_context("spawn").Pool(jobs) as pool:
-            done = pool.map(_degree, tasks, chunksize=1)
+            done = pool.map(work, tp, chunksize=1)
     else:
-        done = [_degree(t) for t in tasks]
+        done = [work(degree) for degree in tp]
     for rows, skipped, tp_plan_name in done:
         result.rows += rows
         result.skipped += skipped
@@ -172,15 +172,16 @@ def plan(model: str | ModelSpec | Callable[[], nn.Module], world_size: int, memo
     return result
 
 
-def _picklable(task) -> bool:
+def _picklable(work) -> bool:
     try:
-        pickle.dumps(task)
+        pickle.dumps(work)
         return True
     except (pickle.PicklingError, AttributeError, TypeError):
         return False
 
 
-def _degree(task) -> tuple[list[Row], list[str], str | None]:
+def _degree(spec: ModelSpec, p: Plan, hsdp, batch, microbatches, ac, progress, partial, compose,
+            degree: int) -> tuple[list[Row], list[str], str | None]:
     """One TP degree's rows, what was skipped and why, and its TP plan's name.
 
     Note [Parallel sweep]
@@ -191,7 +192,6 @@ def _degree(task) -> tuple[list[Row], list[str], str | None]:
     no process group inherited) take one degree each and the rows come back in the
     order of ``tp``, the same rows as one process makes. A model that does not pickle
     (a lambda factory) runs in this process."""
-    spec, p, degree, hsdp, batch, microbatches, ac, progress, partial, compose = task
     replicas, skipped = [], []
     dp = p.world_size // degree
     for r in hsdp:
@@ -211,7 +211,7 @@ def _degree(task) -> tuple[list[Row], list[str], str | None]:
     return rows, skipped, name
 
 
-def _check(world_size: int, memory_bytes: int, tp, batch, ac, hsdp=(1,), microbatches=(1,)) -> None:
+def _check(world_size: int, memory_bytes: int, tp, batch, ac, hsdp, microbatches) -> None:
     if not tp or any(not isinstance(t, int) or t < 1 for t in tp):
         raise ValueError(f"tp={list(tp)!r}: pass TP degrees >= 1, e.g. --tp 1,2,4,8")
     if not batch or any(not isinstance(b, int) or b < 1 for b in batch):
@@ -295,7 +295,7 @@ def _ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"{text!r}: write comma-separated integers, e.g. 1,2,4,8") from None
 
 
-def _cpu_s() -> float:
+def cpu_seconds() -> float:
     """CPU seconds of this process and of its finished children (the sweep's workers)."""
     t = os.times()
     return t.user + t.system + t.children_user + t.children_system
@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> Plan:
     memory = int(parse_bytes(args.memory))
     if args.plot:
         pyplot()  # before the sweep, not after it
-    t0, cpu0 = time.perf_counter(), _cpu_s()
+    t0, cpu0 = time.perf_counter(), cpu_seconds()
     p = plan(spec_from_args(args), args.world_size, memory, tp=args.tp, batch=args.batch, ac=args.ac,
              rates=rates, progress=functools.partial(_progress, t0), partial=args.partial_reshard,
              hsdp=args.hsdp, microbatches=args.microbatches, compose=not args.full_depth, jobs=args.jobs)
@@ -347,7 +347,7 @@ def main(argv: list[str] | None = None) -> Plan:
           f"bytes sent / {rates.bandwidth / 1e9:g} GB/s (data parallel), / {rates.tp_bandwidth / 1e9:g} GB/s (TP) "
           f"+ FLOPs / {rates.device_flops / 1e12:g} TFLOP/s, "
           f"{'exposed communication only' if rates.overlap else 'no overlap'}; {len(p.rows)} configurations estimated in "
-          f"{time.perf_counter() - t0:.0f} s ({_cpu_s() - cpu0:.0f} s CPU, {min(args.jobs, len(args.tp))} "
+          f"{time.perf_counter() - t0:.0f} s ({cpu_seconds() - cpu0:.0f} s CPU, {min(args.jobs, len(args.tp))} "
           f"process{'es' if min(args.jobs, len(args.tp)) > 1 else ''})\n")
     print(format_plan(p, args.all))
     if args.json:

@@ -104,8 +104,8 @@ def calls(p: Plan, r: Row) -> str:
     shape, names = ((c.hsdp, dp // c.hsdp), ("replicate", "shard")) if c.hsdp > 1 else ((dp,), ("dp",))
     if c.tp > 1:
         shape, names = shape + (c.tp,), names + ("tp",)
-    quoted = "".join(f'"{n}", ' for n in names)
-    lines = [f'mesh = init_device_mesh("cuda", {shape!r}, mesh_dim_names=({quoted.rstrip(", ") if len(names) > 1 else quoted.rstrip()}))']
+    quoted = ", ".join(f'"{n}"' for n in names) + ("," if len(names) == 1 else "")
+    lines = [f'mesh = init_device_mesh("cuda", {shape!r}, mesh_dim_names=({quoted}))']
     if c.tp > 1:
         lines.append(f'{p.tp_plan}(model, mesh["tp"])')
     reshard = reshard_of(c.zero, p.keep_last)
