@@ -67,8 +67,9 @@ def _zero2_gathers_kept(block: nn.Module) -> bool:
     full AC runs as a selective checkpoint whose policy saves the zero2 all-gathers."""
     states = [s for s in map(module_state, block.modules()) if s is not None]
     own = {id(b) for s in states for b in s.buckets}
+    bucket_of = states[0].root.bucket_of if states else {}
     return bool(states) and all(
-        id(g.bucket) in own if g.bucket is not None
+        id(bucket_of[g]) in own if g in bucket_of
         else g.keeper is not None or g.tag.reshard_after_forward or not g.collective
         for s in states for g in s.params.values())
 

@@ -88,45 +88,84 @@ Buckets inside ``torch.compile``: Note [Compiled buckets] in ``_compiled.py``.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 from ._api import MixedPrecisionPolicy
-from ._compat import graph_task_id, local_of, replace_local, sac_hidden
-from ._compiled import forget_live, register_live, traced_gather
-from ._context import GatherContext, gather_context, in_inference, running_backward, sac_region
+from ._compat import (OncePerBackward, allow_checkpoint_side_effects, local_of, on_compile_start, replace_local,
+                      sac_hidden)
+from ._context import RootForward, running_backward
 from ._float8 import Float8Cast
-from ._collectives import GradientReduction, gradient_reduction
+from ._collectives import GradientReduction, Reducer, gradient_reduction
 from ._keep import Keeper
 from ._layout import layout, pack, unpad
 from ._param import ParamGather, makes_copy
 from ._partial import PartialReshard
-from ._bucket_gather import GatherBucket
-from ._prefetch import Prefetched, ServedInput
+from ._prefetch import Prefetched, Prefetcher, ServedInput
 from ._tag import FSDPTag, FSDPTaggedTensor
 
-if TYPE_CHECKING:
-    from ._scopes import Scope
-    from ._state import RootState
-
-__all__ = ["Bucket"]
+__all__ = ["Bucket", "BucketShared", "Scope", "watch_compiles"]
 
 c10d = torch.ops._c10d_functional
 
 
+@dataclass
+class Scope:
+    """One open bucket-root ``forward`` (``_scopes.py``): its checkpoint region (Note
+    [Buckets]), the gathered parameters it serves and their version counters when gathered."""
+
+    region: object
+    gathered: dict = field(default_factory=dict)
+    versions: dict = field(default_factory=dict)
+
+
+class ServedRecompute:
+    """The gathered parameters of the latest scope-less recompute (``_access.py``), keyed
+    by (graph task, bucket, kept gather): recomputes run one region at a time, so one
+    entry, held until the next replaces it or the backward ends."""
+
+    def __init__(self) -> None:
+        self.entry: tuple | None = None
+        self._drop_at_end = OncePerBackward()
+
+    def get(self, key: tuple) -> dict | None:
+        return self.entry[1] if self.entry is not None and self.entry[0] == key else None
+
+    def serve(self, key: tuple, gathered: dict) -> dict:
+        self._drop_at_end.queue(self._drop)
+        self.entry = (key, gathered)
+        return gathered
+
+    def _drop(self) -> None:
+        self.entry = None
+
+
+@dataclass(eq=False)
+class BucketShared:
+    """What the buckets of one parametrized model share, handed to each (the model's
+    ``RootState`` owns it): no bucket holds the root."""
+
+    forward: RootForward
+    reducer: Reducer  # Note [Reductions in flight] in _collectives.py
+    prefetcher: Prefetcher | None  # Note [Prefetch]; set later by an explicit schedule
+    served: ServedRecompute = field(default_factory=ServedRecompute)
+
+
 class Bucket:
     """The parameters of one bucket root that share a dtype and a reshard decision;
-    see Note [Buckets]."""
+    see Note [Buckets]. ``root_fqn``: the bucket root's module FQN; ``variant``: what
+    tells it from the root's other buckets (``"[bfloat16]"``, ``"[zero2]"``, ... or "")."""
 
-    def __init__(self, name: str, reshard: bool, params: list[ParamGather], dp_mesh,
-                 mp: MixedPrecisionPolicy, root: RootState, partial: int | None = None) -> None:
-        self.name = name
+    def __init__(self, root_fqn: str, variant: str, reshard: bool, params: list[ParamGather], dp_mesh,
+                 mp: MixedPrecisionPolicy, shared: BucketShared, partial: int | None = None) -> None:
+        self.root_fqn, self.variant = root_fqn, variant
+        self.name = (root_fqn or "<root>") + variant
         self.params = params  # in slot order
         self.dp_mesh, self.mp = dp_mesh, mp  # to build its parts (``part``)
         self.owner: weakref.ref[torch.nn.Module] | None = None  # the bucket root module
-        self.tag = FSDPTag(name, reshard, parts=tuple(p.tag for p in params))
+        self.tag = FSDPTag(self.name, reshard, parts=tuple(p.tag for p in params))
         # Gather and reduce-scatter over the sharding dim (FSDP: the mesh; HSDP: dim 1),
         # all-reduce gradients over the replicate dim (HSDP: dim 0; DDP: the mesh, with
         # nothing to gather: ``world == 1``).
@@ -149,8 +188,8 @@ class Bucket:
         self.locals: tuple[torch.Tensor, ...] = ()
         self.scopes: list[Scope] = []  # one per open root forward (_scopes.py)
         # zero2 gathers kept for a checkpoint's recompute (Note [zero2 kept until backward])
-        self.keeper = Keeper(root.training_forward) if not reshard and self.world > 1 else None
-        self.root = root  # its prefetcher (Note [Prefetch]) and scope-less recomputes
+        self.keeper = Keeper(shared.forward.training) if not reshard and self.world > 1 else None
+        self.shared = shared
         self.compiled = False  # torch.compile seen: stays unbound (Note [Bound storage])
         # Note [Accumulation without sync] in _sync.py
         self.requires_gradient_sync = True
@@ -158,7 +197,8 @@ class Bucket:
         self.unsynced_needs: tuple[bool, ...] = ()  # which slots it holds (those requiring grad)
         # reshard_after_forward=k: Note [Partial reshard] in _partial.py
         self.partial = PartialReshard(partial, self.world, self.group_name) if partial else None
-        register_live(self)
+        _LIVE.add(self)
+        watch_compiles()
 
     def __getstate__(self) -> dict:
         """Pickled with its model (Note [Pickling generated classes] in _class_swap.py):
@@ -171,7 +211,8 @@ class Bucket:
         owner = state.pop("owner")
         self.__dict__.update(state)
         self.owner = weakref.ref(owner) if owner is not None else None
-        register_live(self)
+        _LIVE.add(self)
+        watch_compiles()
 
     # ------------------------------------------------------------ storage
 
@@ -197,20 +238,19 @@ class Bucket:
             replace_local(p, view)
         self.flat, self.locals = flat, tuple(views)
 
-    def part(self, name: str, params: list[ParamGather]) -> Bucket:
-        """A new bucket of some of this one's ``params`` (in slot order), bound to their
-        stored parameters and serving them from now on (Note [Checkpointed bucket roots])."""
-        b = Bucket(name, self.tag.reshard_after_forward, params, self.dp_mesh, self.mp, self.root,
-                   partial=self.partial.k if self.partial is not None else None)
+    def part(self, root_fqn: str, params: list[ParamGather]) -> Bucket:
+        """A new bucket of some of this one's ``params`` (in slot order), of the same
+        variant, rooted at ``root_fqn`` and bound to their stored parameters (Note
+        [Checkpointed bucket roots])."""
+        b = Bucket(root_fqn, self.variant, self.tag.reshard_after_forward, params, self.dp_mesh, self.mp,
+                   self.shared, partial=self.partial.k if self.partial is not None else None)
         b.compiled, b.owner = self.compiled, self.owner
         b.bind()
-        for g in params:
-            g.bucket = b
         return b
 
     def retire(self) -> None:
         """Its parameters went to other buckets: forget them and the flat buffer."""
-        forget_live(self)
+        _LIVE.discard(self)
         self.params, self.slots, self.flat, self.locals = [], [], None, ()
 
     def unbind_for_compile(self) -> None:
@@ -245,21 +285,6 @@ class Bucket:
 
     # ------------------------------------------------------------ gathering
 
-    def lookup(self, param: ParamGather, tagged: bool) -> torch.Tensor | None:
-        """The gathered parameter ``param`` in the current scope (gathering the
-        bucket at the scope's first access), or None outside the root's forward or
-        from another checkpoint region than the scope's (Note [Buckets])."""
-        if not self.scopes or self.scopes[-1].region is not sac_region():
-            return self._scopeless_recompute(param, tagged)
-        scope = self.scopes[-1]
-        if not scope.gathered:
-            scope.gathered.update(self._gather_prefetched(tagged))
-            # DDP without a cast hands out the stored parameters themselves, as plain DDP
-            # does; inference tensors have no version counter.
-            if self.copies() and not in_inference():
-                scope.versions = {p: t._version for p, t in scope.gathered.items()}
-        return scope.gathered[param]
-
     def reduction(self, dtype: torch.dtype) -> GradientReduction:
         """How its gradient, reduced in ``dtype``, is averaged (Note [Gradient reduction]
         in ``_collectives.py``)."""
@@ -269,67 +294,12 @@ class Bucket:
         """Whether a gather makes new tensors (a collective or a cast)."""
         return makes_copy(self.world > 1, self.param_dtype, self.params[0].module_info.stored.dtype)
 
-    @property
-    def prefetcher(self):
-        return self.root.prefetcher
-
-    def _gather_prefetched(self, tagged: bool) -> dict[ParamGather, torch.Tensor]:
-        """``gather``, claiming the all-gather prefetched for it and issuing the next one
-        (Note [Prefetch])."""
-        if self.prefetcher is None:
-            return self.gather(tagged=tagged)
-        tagged = tagged and not in_inference()
-        prefetched = self.prefetcher.take(self, tagged)
-        gathered = self.gather(tagged=tagged, prefetched=prefetched)
-        del prefetched  # the all-gather output: gone before the next one starts
-        self.prefetcher.gathered(self, tagged)
-        return gathered
-
     def can_prefetch(self) -> bool:
         """Whether its all-gather can be issued ahead (Note [Prefetch]): whether it
         all-gathers. Bound or not (an unbound bucket packs its shards, Note [Bound
         storage]): which buckets prefetch decides the order of collectives, so it must be
         the same on every rank, and a compile on some ranks only unbinds theirs."""
         return self.world > 1 and self.copies()
-
-    def _handouts(self, outs) -> dict[ParamGather, torch.Tensor]:
-        return {p: p.on_tp_mesh(out) for p, out in zip(self.params, outs)}
-
-    def gather(self, *, tagged: bool, prefetched: Prefetched | None = None) -> dict[ParamGather, torch.Tensor]:
-        params = self.stored()
-        reuse = how = None
-        if self.keeper is not None:  # Note [zero2 kept until backward]
-            reuse = self.keeper.find(params)
-            how = None if reuse is not None else self.keeper.how_to_keep()
-        if reuse is not None and prefetched is not None:
-            prefetched.wait()
-            prefetched = None
-        return self._handouts(GatherBucket.apply(self, tagged, prefetched, reuse, how, *params))
-
-    def _scopeless_recompute(self, param: ParamGather, tagged: bool) -> torch.Tensor | None:
-        """A checkpoint's recompute outside any gather scope of this bucket (the
-        checkpointed module is the bucket root itself, e.g. a checkpoint wrapper): one
-        gather per backward, shared by the recompute's accesses while they hold it; zero2
-        serves it from the forward's kept gather (Note [zero2 kept until backward]).
-        None (gather per parameter) outside a recompute."""
-        if gather_context() is not GatherContext.RECOMPUTE or not self.copies():
-            return None
-        params = self.stored()
-        entry = self.keeper.find(params) if self.keeper is not None else None
-        key = (graph_task_id(), self, entry)
-        served = self.root.recompute_served
-        if served is None or served[0] != key:
-            if entry is None:  # zero3: a gather, prefetched like the hooks' re-gathers
-                served = self.root.serve_recompute(key, self._gather_prefetched(tagged))
-            else:
-                served = self.root.serve_recompute(
-                    key, self._handouts(GatherBucket.apply(self, tagged, None, entry, None, *params)))
-        return served[1][param]
-
-    def regather(self) -> dict[ParamGather, torch.Tensor]:
-        """A fresh tagged gather, as the zero3 hooks re-gather (Note [zero3 by saved-tensor
-        hooks]), prefetched (Note [Prefetch])."""
-        return self._gather_prefetched(True)
 
     def _gather_input(self, params, tagged: bool,
                       served: Prefetched | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -365,16 +335,6 @@ class Bucket:
 
     # ------------------------------------------------------------ compiled
 
-    def traced(self) -> tuple[torch.Tensor, ...]:
-        """The bucket gathered inside ``torch.compile`` (Note [Compiled buckets] in
-        ``_compiled.py``)."""
-        if self.float8 is not None:
-            raise NotImplementedError(
-                f"fsdptag: bucket {self.name!r} all-gathers torchao float8 weights, which runs in eager "
-                "only (Note [Float8 all-gather]); compile without it: "
-                "Float8LinearConfig(enable_fsdp_float8_all_gather=False)")
-        return traced_gather(self)
-
     def issue_all_gather(self, tagged: bool, by: str = "learned") -> Prefetched:
         """Start this bucket's all-gather without waiting (Note [Prefetch]); in backward
         with a partial reshard over its ``k``-group (Note [Partial reshard])."""
@@ -387,3 +347,22 @@ class Bucket:
             cast, scales = self._gather_input(self.stored(), tagged)
             return Prefetched(tagged, cast, c10d.all_gather_into_tensor(cast, self.world, self.group_name), by,
                               scales)
+
+
+# Every live bucket, so that the first compile anywhere unbinds them all (Note [Bound
+# storage]): dynamo cannot fakeify DTensors whose locals share a storage.
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+def _unbind_all(_args) -> None:
+    for bucket in list(_LIVE):
+        bucket.unbind_for_compile()
+    if _LIVE:  # Note [Compiled buckets] in _compiled.py: a bucket root's gather inside someone's checkpoint
+        allow_checkpoint_side_effects()
+
+
+def watch_compiles() -> None:
+    """Unbind every live bucket when dynamo starts compiling (Note [Bound storage]);
+    idempotent, and cheap enough for every root forward (``torch._dynamo.reset``
+    forgets the callback)."""
+    on_compile_start(_unbind_all)

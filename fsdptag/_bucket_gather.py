@@ -4,20 +4,16 @@ its parameters out, backward reduce-scatters the gradients of those that need on
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch.distributed.tensor import DTensor
 
+from ._bucket import Bucket
 from ._compat import chunk_cat, contiguous_strides, dtensor_of, local_of, sac_hidden
 from ._context import Zero2, in_inference, running_backward
 from ._keep import KeptGather
 from ._layout import copy_out
 from ._prefetch import Prefetched
 from ._tag import FSDPTaggedTensor, mark_gathered
-
-if TYPE_CHECKING:
-    from ._bucket import Bucket
 
 __all__ = ["GatherBucket"]
 
@@ -59,7 +55,7 @@ class _GatherBucket(torch.autograd.Function):
             gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(flat, bucket.world, bucket.group_name))
         else:  # DDP with a cast: the cast shard is the whole parameter
             gathered, scales = bucket._gather_input(params, tagged)
-        if bucket.partial is not None and not running_backward() and bucket.root.training_forward():
+        if bucket.partial is not None and not running_backward() and bucket.shared.forward.training():
             bucket.partial.keep(gathered._elem if type(gathered) is FSDPTaggedTensor else gathered)
         pieces = copy_out(gathered, bucket.world, bucket.numel, bucket.split_sizes)  # tagged by FSDPTag.parts
         if tagged:  # compute gets plain tensors (Note [Marked handout] in _handout.py)
@@ -103,7 +99,7 @@ class _GatherBucket(torch.autograd.Function):
         reduced = [(slot, spec, shape, p) for slot, spec, shape, p, need
                    in zip(bucket.slots, ctx.specs, ctx.local_shapes, bucket.stored(), needs) if need]
         lazy = all(spec.tensor_meta.dtype == packed.dtype for _, spec, _, _ in reduced)
-        local = bucket.root.reducer.reduce(packed.view(-1), bucket.reduction(packed.dtype),
+        local = bucket.shared.reducer.reduce(packed.view(-1), bucket.reduction(packed.dtype),
                                            [p for *_, p in reduced], lazy)
         out, offset = [], 0
         for slot, spec, shape, _ in reduced:

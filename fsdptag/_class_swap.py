@@ -3,10 +3,13 @@
 ``parametrize`` gives a module a property per parameter name (``FSDPTagLinear``),
 a bucket root a scoped ``forward`` (``BucketedBlock``), ``apply_ac`` a checkpointed
 ``forward`` (``CheckpointedBlock``). Each kind is registered once, by the module that
-owns it (:func:`register_kind`); each generated class is built once per (class,
-kind, key) and marked ``_fsdptag_generated`` so errors can name the user's own class.
-Generated methods call the base class's method directly (``cls.forward(self, ...)``,
-the same as ``super()`` for a class with one base).
+owns it (:func:`register_kind`). A module has one generated class, whatever kinds it
+took (``CheckpointedBucketedBlock``): a direct subclass of the user's class, built once
+per (user class, recipe: the kinds with their keys, in the order taken) and marked
+``_fsdptag_generated`` so errors can name the user's own class. Each kind's namespace
+is made against the kinds taken before it (a class built for that, never a module's),
+and its methods call that base's method directly (``cls.forward(self, ...)``): a
+checkpointed ``forward`` runs the bucket scope's, which runs the user's.
 
 Note [Pickling generated classes]
 ---------------------------------
@@ -27,8 +30,8 @@ import torch.nn as nn
 __all__ = ["register_kind", "swap_class", "user_class"]
 
 _KINDS: dict[str, Callable[[type, Hashable], dict]] = {}  # prefix -> make_namespace(base, key)
-_CACHE: dict[tuple[type, str, Hashable], type] = {}
-_RECIPE = "_fsdptag_recipe"  # a generated class's (prefix, key)
+_CACHE: dict[tuple[type, tuple], type] = {}  # (user class, recipe) -> its generated class
+_RECIPE = "_fsdptag_recipe"  # a generated class's ((prefix, key), ...)
 
 
 def register_kind(prefix: str, make_namespace: Callable[[type, Hashable], dict]) -> None:
@@ -38,18 +41,22 @@ def register_kind(prefix: str, make_namespace: Callable[[type, Hashable], dict])
 
 
 def swap_class(module: nn.Module, prefix: str, key: Hashable = None) -> None:
-    """Make ``module`` an instance of ``prefix + ClassName``, the registered kind
-    ``prefix`` of its class (built once per class, prefix, key)."""
-    module.__class__ = _generated(type(module), prefix, key)
+    """Make ``module`` an instance of the one generated class of its user class and
+    the kinds it took, now with the registered kind ``prefix`` (and ``key``) on top."""
+    cls = type(module)
+    module.__class__ = _generated(user_class(cls), _recipe(cls) + ((prefix, key),))
 
 
-def _generated(cls: type, prefix: str, key: Hashable) -> type:
-    cache_key = (cls, prefix, key)
-    new = _CACHE.get(cache_key)
+def _generated(user: type, recipe: tuple[tuple[str, Hashable], ...]) -> type:
+    new = _CACHE.get((user, recipe))
     if new is None:
-        namespace = dict(_KINDS[prefix](cls, key), _fsdptag_generated=True, __reduce_ex__=_reduce_ex)
-        namespace[_RECIPE] = (prefix, key)
-        new = _CACHE[cache_key] = type(f"{prefix}{cls.__name__}", (cls,), namespace)
+        base, namespace, name = user, {"_fsdptag_generated": True}, user.__name__
+        for prefix, key in recipe:  # each kind's methods call the kinds before it (``base``)
+            namespace.update(_KINDS[prefix](base, key))
+            name = prefix + name
+            base = type(name, (user,), dict(namespace))
+        new = _CACHE[(user, recipe)] = type(name, (user,), dict(namespace, __reduce_ex__=_reduce_ex,
+                                                                **{_RECIPE: recipe}))
     return new
 
 
@@ -58,18 +65,14 @@ def user_class(cls: type) -> type:
     return next(c for c in cls.__mro__ if "_fsdptag_generated" not in c.__dict__)
 
 
-def _recipe(cls: type) -> list[tuple[str, Hashable]]:
-    """The kinds generated on top of the user's class, innermost first."""
-    kinds = [c.__dict__[_RECIPE] for c in cls.__mro__ if "_fsdptag_generated" in c.__dict__]
-    return kinds[::-1]
+def _recipe(cls: type) -> tuple[tuple[str, Hashable], ...]:
+    """The kinds a generated class was made of, in the order taken; () for a user's class."""
+    return cls.__dict__.get(_RECIPE, ())
 
 
 def _reduce_ex(self, protocol):  # Note [Pickling generated classes]
     return _restore, (user_class(type(self)), _recipe(type(self))), self.__getstate__()
 
 
-def _restore(cls: type, recipe: list[tuple[str, Hashable]]) -> nn.Module:
-    module = cls.__new__(cls)
-    for prefix, key in recipe:
-        module.__class__ = _generated(type(module), prefix, key)
-    return module
+def _restore(cls: type, recipe) -> nn.Module:
+    return cls.__new__(_generated(cls, tuple(tuple(kind) for kind in recipe)))

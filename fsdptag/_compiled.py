@@ -1,6 +1,6 @@
 """Buckets inside ``torch.compile``: one all-gather per bucket in the graph, with
-eager's ops and layout, and the process-wide watch that unbinds bucket storage
-before dynamo fakeifies parameters (Note [Bound storage] in ``_bucket.py``).
+eager's ops and layout (the process-wide watch that unbinds bucket storage before
+dynamo fakeifies parameters is ``watch_compiles`` in ``_bucket.py``, Note [Bound storage]).
 
 Note [Compiled buckets]
 -----------------------
@@ -41,22 +41,16 @@ five of those settings), where per-parameter gathers made 9.
 
 from __future__ import annotations
 
-import weakref
-from typing import TYPE_CHECKING
-
 import torch
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from ._collectives import gradient_reduction, reduce_gradient
-from ._compat import allow_checkpoint_side_effects, on_compile_start
+from ._bucket import Bucket
 from ._layout import copy_out, pack, unpad
 from ._param import recompute_everything, save_everything
 
-if TYPE_CHECKING:
-    from ._bucket import Bucket
-
-__all__ = ["forget_live", "register_live", "traced_gather", "watch_compiles"]
+__all__ = ["traced_gather"]
 
 c10d = torch.ops._c10d_functional
 
@@ -64,6 +58,11 @@ c10d = torch.ops._c10d_functional
 def traced_gather(bucket: Bucket) -> tuple[torch.Tensor, ...]:
     """``bucket`` gathered in the graph, in a checkpoint region of its own: zero3's
     recomputes it, zero2's saves it."""
+    if bucket.float8 is not None:
+        raise NotImplementedError(
+            f"fsdptag: bucket {bucket.name!r} all-gathers torchao float8 weights, which runs in eager "
+            "only (Note [Float8 all-gather]); compile without it: "
+            "Float8LinearConfig(enable_fsdp_float8_all_gather=False)")
     context_fn = recompute_everything if bucket.tag.reshard_after_forward else save_everything
     return checkpoint(_gather_in_graph, bucket, *bucket.stored(), use_reentrant=False, context_fn=context_fn)
 
@@ -133,31 +132,3 @@ class _BucketCollectives(torch.autograd.Function):
         if grad.dtype != ctx.in_dtype:
             grad = grad.to(ctx.in_dtype)
         return grad, None, None, None, None, None, None, None
-
-
-# Every live bucket, so that the first compile anywhere unbinds them all (Note [Bound
-# storage] in _bucket.py): dynamo cannot fakeify DTensors whose locals share a storage.
-_LIVE: weakref.WeakSet = weakref.WeakSet()
-
-
-def register_live(bucket: Bucket) -> None:
-    _LIVE.add(bucket)
-    watch_compiles()
-
-
-def forget_live(bucket: Bucket) -> None:
-    _LIVE.discard(bucket)
-
-
-def _unbind_all(_args) -> None:
-    for bucket in list(_LIVE):
-        bucket.unbind_for_compile()
-    if _LIVE:  # Note [Compiled buckets]: a bucket root's gather inside someone's checkpoint
-        allow_checkpoint_side_effects()
-
-
-def watch_compiles() -> None:
-    """Unbind every live bucket when dynamo starts compiling (Note [Bound storage]);
-    idempotent, and cheap enough for every root forward (``torch._dynamo.reset``
-    forgets the callback)."""
-    on_compile_start(_unbind_all)

@@ -72,7 +72,7 @@ import torch
 
 from ._compat import current_sac_region, in_backward, is_checkpoint_hook, top_saved_tensor_hooks
 
-__all__ = ["FSDPTAG_HOOK", "GatherContext", "Hooks", "ZERO2", "ZERO3", "Zero2", "Zero3", "gather_context",
+__all__ = ["FSDPTAG_HOOK", "GatherContext", "Hooks", "RootForward", "ZERO2", "ZERO3", "Zero2", "Zero3", "gather_context",
            "grad_mode_trains", "in_inference", "running_backward", "sac_region", "saved_tensor_hooks"]
 
 running_backward = in_backward  # the autograd engine runs this code (backward, or a recompute in it)
@@ -178,3 +178,24 @@ ZERO3: dict[GatherContext, Zero3] = {
     _C.FORWARD: Zero3.REGATHER_HANDLE, _C.CHECKPOINT: Zero3.RECOMPUTE, _C.SAC: Zero3.POLICY,
     _C.OTHER_HOOKS: Zero3.REGATHER_HANDLE, _C.RECOMPUTE: Zero3.GATHER, _C.SAC_RECOMPUTE: Zero3.GATHER,
 }
+
+
+class RootForward:
+    """The open root ``forward`` calls of one parametrized model: whether the innermost
+    began with grad on (tells a reentrant checkpoint's forward from ``no_grad``) and
+    whether dynamo is tracing one (Note [Compiled gathers] in ``_param.py``). The root
+    (``RootState`` in ``_state.py``) opens and closes them; its parameters and buckets
+    are handed this record, not the root."""
+
+    def __init__(self) -> None:
+        self._training: list[bool] = []  # per open root forward: began with grad on
+        self.traced = False
+
+    def training(self) -> bool:
+        return bool(self._training) and self._training[-1]
+
+    def open(self, training: bool) -> None:
+        self._training.append(training)
+
+    def close(self) -> None:
+        self._training.pop()

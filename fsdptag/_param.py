@@ -6,8 +6,8 @@ Each parameter is stored as a sharded ``DTensor`` (``Shard(shard_dim)`` for
 FSDP, ``Replicate`` for DDP, ``(Replicate, Shard)`` for HSDP; with TP the
 data-parallel placements are prepended to the TP placements, using
 ``_StridedShard`` when TP shards the same dim). The module's class is swapped
-for a subclass whose property for each parameter name calls its
-:class:`ParamGather`: the shard, tagged at this boundary (see Note [Tag life
+for a subclass whose property for each parameter name reads it (Note [Parameter
+read] in ``_access.py``), through its :class:`ParamGather` when alone: the shard, tagged at this boundary (see Note [Tag life
 cycle] in ``_tag.py``), redistributed to ``Replicate`` over the data-parallel
 mesh only (cast to ``param_dtype`` first) and handed to compute as a plain
 tensor, or as a DTensor on the TP mesh. The gradient path is DTensor's:
@@ -47,7 +47,7 @@ are bitwise those of eager), SimpleFSDP style:
   gathered in a block compiled on its own is refused with a clear error: torch
   2.13 cannot compile a sequence-parallel block alone (the gradient of its DTensor
   input crosses the compiled boundary as a plain tensor; docs/compile.md), with or
-  without fsdptag. ``RootState.traced`` tells the two apart: the root's pre-forward
+  without fsdptag. ``RootForward.traced`` tells the two apart: the root's pre-forward
   hook sets it while dynamo traces it, so it is True only inside a compiled root.
 """
 
@@ -56,7 +56,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 import torch
 import torch.nn as nn
@@ -66,15 +66,11 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ._api import MixedPrecisionPolicy
-from ._compat import contiguous_strides, is_compiling, local_of
-from ._context import in_inference
+from ._compat import contiguous_strides, local_of
+from ._context import RootForward, in_inference
 from ._keep import KeptGather, Keeper, ServeAllGather
 from ._handout import alias, check_unchanged, refuse_in_place, tag_shard, untag
 from ._tag import FSDPTag
-
-if TYPE_CHECKING:
-    from ._bucket import Bucket
-    from ._state import RootState
 
 __all__ = [
     "Handouts",
@@ -206,7 +202,7 @@ class ParamGather:
         tp_mesh: DeviceMesh | None,
         tp_placements: tuple[Placement, ...],
         shape: torch.Size,
-        root: RootState,
+        forward: RootForward,
     ) -> None:
         self.tag = tag
         self.module_info = module_info
@@ -225,33 +221,16 @@ class ParamGather:
         self.tp_placements = tp_placements
         self.shape = shape
         self.stride = contiguous_strides(shape)
-        self.root = root  # its check of per-parameter handouts; whether dynamo traces it
-        self.bucket: Bucket | None = None  # set when bucketed (Note [Buckets])
+        self.forward = forward  # the model's open root forwards: training? traced?
         self.float8 = None  # a torchao float8 weight's Float8Weight (Note [Float8 all-gather])
         self.pregathered: torch.Tensor | None = None  # Note [Compiled gathers]
         # zero2 gathers kept for a checkpoint's recompute (Note [zero2 kept until backward])
-        self.keeper = (Keeper(root.training_forward)
+        self.keeper = (Keeper(forward.training)
                        if not tag.reshard_after_forward and self.collective else None)
 
     @property
     def fqn(self) -> str:
         return self.tag.fqn
-
-    def __call__(self, stored: DTensor) -> torch.Tensor:
-        """What ``module.<name>`` returns, given the module's stored parameter."""
-        if not flags.active:
-            return stored
-        if is_compiling():
-            return self.traced(stored)
-        if self.bucket is not None:
-            gathered = self.bucket.lookup(self, flags.tagging)
-            if gathered is not None:
-                return gathered
-        copies = self.copies(stored)
-        gathered = self.gather(stored, tagged=flags.tagging, copies=copies)
-        if copies:  # otherwise the handout is the stored parameter itself
-            self.root.handouts.record(gathered, self.fqn)
-        return gathered
 
     def copies(self, stored: DTensor) -> bool:
         return makes_copy(self.collective, self.param_dtype, stored.dtype)
@@ -309,7 +288,7 @@ class ParamGather:
 
     def check_compilable(self) -> None:
         """A TP parameter compiles only inside a compiled root (Note [Compiled gathers])."""
-        if self.tp_mesh is not None and not self.root.traced:
+        if self.tp_mesh is not None and not self.forward.traced:
             _refuse_compiled_tp(self.fqn)
 
     def regather(self) -> dict[ParamGather, torch.Tensor]:

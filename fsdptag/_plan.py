@@ -83,7 +83,9 @@ def plan_parametrization(model: nn.Module, mesh, mode, reshard_after_forward, mp
     plan_parameters(plan, setting, params)
     if setting.shard_dim == 0 or setting.mode is DataParallelMode.REPLICATE:
         plan_buckets(plan, setting)
-    alone = [fqn for fqn in plan.partial if plan.params[fqn].bucket is None]
+    for change in plan.modules.values():
+        change.state.alone = tuple(n for n, g in change.state.params.items() if g not in plan.root.bucket_of)
+    alone = [fqn for fqn in plan.partial if plan.params[fqn] not in plan.root.bucket_of]
     if alone:
         raise NotImplementedError(
             f"reshard_after_forward=k (partial reshard) needs bucketed gathers, but {alone[0]!r} is gathered "
@@ -183,21 +185,20 @@ def plan_buckets(plan: ParametrizePlan, setting: _Setting) -> None:
         dtypes, reshards = {k[0] for k in groups}, {k[2:] for k in groups}
         buckets = []
         for (dtype, float8, reshard, k), group in groups.items():
-            name = root or "<root>"
+            variant = ""  # what tells the root's buckets apart
             if len(dtypes) > 1:
-                name += f"[{str(dtype).removeprefix('torch.')}]"
+                variant += f"[{str(dtype).removeprefix('torch.')}]"
             if float8:
-                name += "[float8]"
+                variant += "[float8]"
             if len(reshards) > 1:
-                name += f"[zero{3 if reshard else 2}{'' if k is None else f'@{k}'}]"
-            b = Bucket(name, reshard, group, setting.dp_mesh, setting.mp, plan.root, partial=k)
+                variant += f"[zero{3 if reshard else 2}{'' if k is None else f'@{k}'}]"
+            b = Bucket(root, variant, reshard, group, setting.dp_mesh, setting.mp, plan.root.shared, partial=k)
             b.bind([plan.sharded[g.fqn] for g in group])  # the new parameters only: the model is untouched
             b.owner = weakref.ref(setting.bucket_roots[root])
-            for g in group:
-                g.bucket = b
+            plan.root.bucket_of.update(dict.fromkeys(group, b))
             buckets.append(b)
         plan.state_of(setting.bucket_roots[root]).buckets = tuple(buckets)
-    check_bucketed({fqn: g.bucket for fqn, g in plan.params.items() if g.float8 is not None})
+    check_bucketed({fqn: plan.root.bucket_of.get(g) for fqn, g in plan.params.items() if g.float8 is not None})
 
 
 def _check_param(fqn: str, param: nn.Parameter, setting: _Setting) -> None:
@@ -288,7 +289,7 @@ def _shard_param(param: nn.Parameter, tag: FSDPTag, module_info: ParamModuleInfo
     if not isinstance(param, DTensor):
         sharded = distribute_tensor(param.detach(), dp_mesh, dp_placements, src_data_rank=None)
         gather = ParamGather(tag, module_info, dp_mesh, dp_placements, param.shape, setting.mp,
-                             None, (), param.shape, root)
+                             None, (), param.shape, root.forward)
         return gather, nn.Parameter(sharded, requires_grad=param.requires_grad)
 
     tp_mesh, tp_placements = param.device_mesh, tuple(param.placements)
@@ -301,5 +302,5 @@ def _shard_param(param: nn.Parameter, tag: FSDPTag, module_info: ParamModuleInfo
         shape=param.shape, stride=param.stride(),
     )
     gather = ParamGather(tag, module_info, dp_mesh, dp_placements, tp_local.shape, setting.mp,
-                         tp_mesh, tp_placements, param.shape, root)
+                         tp_mesh, tp_placements, param.shape, root.forward)
     return gather, nn.Parameter(sharded, requires_grad=param.requires_grad)

@@ -40,6 +40,7 @@ with them: Note [Whose saved-tensor hooks] in ``_context.py``.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Iterator
 
 import torch
@@ -47,6 +48,8 @@ import torch.nn as nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed.tensor import DTensor
 
+from ._access import regather as regather_bucket
+from ._bucket import Bucket
 from ._compat import dtensor_of
 from ._context import FSDPTAG_HOOK, GatherContext, Hooks, gather_context, saved_tensor_hooks
 from ._param import ParamGather
@@ -156,8 +159,9 @@ class SavedTensorHooks:
     someone else's hooks at the root's or a bucket root's forward (Note [Whose
     saved-tensor hooks] in ``_context.py``)."""
 
-    def __init__(self, params: dict[str, ParamGather]) -> None:
+    def __init__(self, params: dict[str, ParamGather], bucket_of: dict[ParamGather, Bucket]) -> None:
         self.params = params  # fqn -> its gather
+        self.bucket_of = bucket_of  # a bucketed parameter's bucket (the root's, kept up to date)
         self.zero3 = any(p.tag.reshard_after_forward for p in params.values())
         self._stack: list = []
         self._regathers: dict[str, _Regather] | None = None
@@ -216,12 +220,16 @@ class SavedTensorHooks:
         if not tag.reshard_after_forward:
             return t  # zero2: gathered until backward, where it is
         param = self.params[tag.fqn]
-        source = param.bucket if param.bucket is not None else param
-        regather = self._regathers.get(source.tag.fqn)
+        bucket = self.bucket_of.get(param)
+        key = (bucket or param).tag.fqn
+        regather = self._regathers.get(key)
         if regather is None:
-            regather = self._regathers[source.tag.fqn] = _Regather(source.regather)
-            if param.bucket is not None and param.bucket.prefetcher is not None:
-                param.bucket.prefetcher.regather_packed(param.bucket)  # Note [Prefetch] in _prefetch.py
+            if bucket is None:
+                regather = self._regathers[key] = _Regather(param.regather)
+            else:
+                regather = self._regathers[key] = _Regather(functools.partial(regather_bucket, bucket))
+                if bucket.shared.prefetcher is not None:
+                    bucket.shared.prefetcher.regather_packed(bucket)  # Note [Prefetch] in _prefetch.py
         return _PackedView(regather, param, t)
 
     setattr(_pack, FSDPTAG_HOOK, True)  # Note [Whose saved-tensor hooks]

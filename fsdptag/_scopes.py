@@ -5,26 +5,13 @@ parameters and reused by the rest of that call."""
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
+from ._bucket import Bucket, Scope
 from ._context import sac_region
 from ._handout import check_unchanged
 
-if TYPE_CHECKING:
-    from ._bucket import Bucket
-
-__all__ = ["Scope", "open_scopes", "scoped"]
-
-
-@dataclass
-class Scope:
-    """One open bucket-root ``forward``: its checkpoint region (Note [Buckets]), the
-    gathered parameters it serves and their version counters when gathered."""
-
-    region: object
-    gathered: dict = field(default_factory=dict)
-    versions: dict = field(default_factory=dict)
+__all__ = ["open_scopes", "scoped"]
 
 
 @contextlib.contextmanager

@@ -39,13 +39,14 @@ import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
 from ._api import MixedPrecisionPolicy, OverlapPolicy
-from ._bucket import Bucket
+from ._access import read
+from ._bucket import Bucket, BucketShared, watch_compiles
 from ._scopes import scoped
-from ._compiled import watch_compiles
+from ._compiled import traced_gather
 from ._class_swap import register_kind, swap_class
 from ._collectives import Reducer
-from ._compat import OncePerBackward, apply_to_tensors, is_compiling
-from ._context import grad_mode_trains, running_backward
+from ._compat import apply_to_tensors, is_compiling
+from ._context import RootForward, grad_mode_trains, running_backward
 from ._keep import Keeper
 from ._param import Handouts, ParamGather, flags
 from ._prefetch import Prefetcher
@@ -62,46 +63,47 @@ class RootState:
 
     def __init__(self, mp: MixedPrecisionPolicy, overlap: OverlapPolicy) -> None:
         self.handouts = Handouts()
-        self.prefetcher = Prefetcher(overlap.all_gathers) if overlap.all_gathers else None
-        self.reducer = Reducer(overlap.reductions)  # Note [Reductions in flight] in _collectives.py
+        self.forward = RootForward()  # handed to its parameters and buckets
+        # what its buckets share, handed to each
+        self.shared = BucketShared(self.forward, Reducer(overlap.reductions),
+                                   Prefetcher(overlap.all_gathers) if overlap.all_gathers else None)
+        self.bucket_of: dict[ParamGather, Bucket] = {}  # a bucketed parameter's bucket
         self.saved_hooks: SavedTensorHooks | None = None
         self.cast_dtype = mp.param_dtype if mp.cast_forward_inputs else None
         self.handles: list[RemovableHandle] = []  # every hook fsdptag registered on the model
         self.buckets: list[Bucket] = []
         self.keepers: list[Keeper] = []
         self._errors_at_entry: list = []  # the exception being handled when forward began
-        self._training: list[bool] = []  # per open root forward: began with grad on
-        # ((graph task, bucket, kept gather), gathered parameters) of the latest scope-less
-        # recompute (Bucket._scopeless_recompute): recomputes run one region at a time.
-        self.recompute_served: tuple | None = None
-        self._drop_at_end = OncePerBackward()
-        self.traced = False  # dynamo is tracing the root's forward (Note [Compiled gathers])
+        self.model: weakref.ref[nn.Module] | None = None  # the parametrized model (``install``)
 
-    def training_forward(self) -> bool:
-        """Whether the innermost open root forward began with grad on (Note [zero2 kept
-        until backward])."""
-        return bool(self._training) and self._training[-1]
+    def __getstate__(self) -> dict:
+        """Pickled with its model (Note [Pickling generated classes] in _class_swap.py)."""
+        return dict(self.__dict__, model=self.model() if self.model is not None else None)
 
-    def serve_recompute(self, key: tuple, gathered: dict) -> tuple:
-        """Hold ``gathered`` for the accesses of one scope-less recompute: until the next
-        one replaces it, or this backward ends."""
-        self._drop_at_end.queue(self._drop_served)
-        self.recompute_served = (key, gathered)
-        return self.recompute_served
+    def __setstate__(self, state: dict) -> None:
+        model = state.pop("model")
+        self.__dict__.update(state)
+        self.model = weakref.ref(model) if model is not None else None
 
-    def _drop_served(self) -> None:
-        self.recompute_served = None
+    @property
+    def prefetcher(self) -> Prefetcher | None:  # Note [Prefetch] in _prefetch.py
+        return self.shared.prefetcher
+
+    @prefetcher.setter
+    def prefetcher(self, prefetcher: Prefetcher | None) -> None:
+        self.shared.prefetcher = prefetcher
 
     def install(self, root: nn.Module, params: dict[str, ParamGather], buckets: list[Bucket]) -> None:
         """Register the root's hooks (``params``: every stored parameter by FQN)."""
         self.buckets = buckets
+        self.model = weakref.ref(root)  # to name a module apply_ac makes a bucket root
         self.keepers = [k for k in [b.keeper for b in buckets] + [g.keeper for g in params.values()]
                         if k is not None]  # zero2 gathers kept for recomputes, unpinned per forward
         if self.prefetcher is not None and not buckets:
             self.prefetcher = None  # nothing to prefetch
         if self.prefetcher is not None:
             self.connect(self.prefetcher, root)
-        self.saved_hooks = SavedTensorHooks(params)
+        self.saved_hooks = SavedTensorHooks(params, self.bucket_of)
         self.handles += [
             root.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
             root.register_forward_hook(self._post_forward, always_call=True),
@@ -114,11 +116,11 @@ class RootState:
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         if is_compiling():  # Note [Compiled gathers]: the compiler runs the gathers
-            self.traced = True
+            self.forward.traced = True
             return apply_to_tensors(self._cast, (args, kwargs)) if self.cast_dtype is not None else None
         watch_compiles()  # after a torch._dynamo.reset (Note [Bound storage])
         self._errors_at_entry.append(sys.exc_info()[1])
-        self._training.append(grad_mode_trains())
+        self.forward.open(grad_mode_trains())
         if not running_backward():
             for keeper in self.keepers:
                 keeper.unpin()
@@ -135,12 +137,12 @@ class RootState:
 
     def _post_forward(self, module: nn.Module, args: tuple, output) -> None:
         if is_compiling():
-            self.traced = False
+            self.forward.traced = False
             return
         # nn.Module runs an always-called hook from its `except` clause when forward
         # raised: then the exception being handled is a new one.
         raised = sys.exc_info()[1] is not self._errors_at_entry.pop()
-        self._training.pop()
+        self.forward.close()
         self.saved_hooks.post_forward()
         if self.prefetcher is not None:
             self.prefetcher.post_forward()
@@ -175,6 +177,7 @@ class ModuleState:
     root: RootState
     params: dict[str, ParamGather] = field(default_factory=dict)
     buckets: tuple[Bucket, ...] = ()
+    alone: tuple[str, ...] = ()  # its parameters gathered alone (in no bucket), by name
     is_root: bool = False
 
 
@@ -203,8 +206,9 @@ def pregather(block: nn.Module) -> list[ParamGather]:
         # Each in a checkpoint region of its own (zero3 recomputed, zero2 saved), outside
         # the caller's; a bucket an enclosing root already gathered is not gathered again.
         gathers += pregather_buckets(state.buckets)
-        for g in state.params.values():
-            if (g.bucket is None and g.pregathered is None and not g.tag.reshard_after_forward
+        for name in state.alone:  # names, not a lookup by gather: the same guards for every block
+            g = state.params[name]
+            if (g.pregathered is None and not g.tag.reshard_after_forward
                     and g.copies(g.module_info.stored)):
                 g.pregathered = g.traced(g.module_info.stored)
                 gathers.append(g)
@@ -219,7 +223,7 @@ def pregather_buckets(buckets) -> list[ParamGather]:
         return gathers
     for b in buckets:
         if b.copies() and b.params[0].pregathered is None:
-            gathers += _set_pregathered(b.traced(), b.params)
+            gathers += _set_pregathered(traced_gather(b), b.params)
     return gathers
 
 
@@ -258,27 +262,32 @@ def make_bucket_root(module: nn.Module) -> None:
     in two, both bound afresh. Parameters also registered outside ``module`` (tied)
     stay where they are; buckets rooted in or below ``module`` are untouched."""
     states = [s for s in map(module_state, module.modules()) if s is not None]
+    if not states:
+        return
+    root = states[0].root
     inside_modules = {id(m) for m in module.modules()}
     inside_buckets = {b for s in states for b in s.buckets}
     moving: dict[Bucket, set[ParamGather]] = {}
     for s in states:
         for g in s.params.values():
-            if g.bucket is None or g.bucket in inside_buckets:
+            bucket = root.bucket_of.get(g)
+            if bucket is None or bucket in inside_buckets:
                 continue
             if all(id(m) in inside_modules for m, _ in g.module_info.registrations()):
-                moving.setdefault(g.bucket, set()).add(g)
+                moving.setdefault(bucket, set()).add(g)
     if not moving:
         return
-    root = states[0].root
-    name = _fqn_of(module, next(iter(next(iter(moving.values())))))
+    model = root.model() if root.model is not None else None
+    fqn = next(n for n, m in model.named_modules() if m is module)
     new: list[Bucket] = []
     for old, moved in moving.items():
-        suffix = old.name[old.name.index("["):] if "[" in old.name else ""
         owner = old.owner() if old.owner is not None else None
         rest = [g for g in old.params if g not in moved]
-        sub = old.part(name + suffix, [g for g in old.params if g in moved])
-        replaced = (old.part(old.name, rest),) if rest else ()
+        sub = old.part(fqn, [g for g in old.params if g in moved])
+        replaced = (old.part(old.root_fqn, rest),) if rest else ()
         old.retire()
+        for b in (sub, *replaced):
+            root.bucket_of.update(dict.fromkeys(b.params, b))
         if owner is not None:
             owner_state = module_state(owner)
             owner_state.buckets = tuple(
@@ -298,21 +307,11 @@ def make_bucket_root(module: nn.Module) -> None:
             _make_bucket_root_class(module)
 
 
-def _fqn_of(module: nn.Module, gather: ParamGather) -> str:
-    """``module``'s FQN in the model, read off one of its parameters' FQN."""
-    for rel, m in module.named_modules():
-        if m is gather.module_info.module:
-            rel_param = f"{rel}.{gather.module_info.name}" if rel else gather.module_info.name
-            return gather.fqn[: -len(rel_param) - 1]
-    raise AssertionError(f"{gather.fqn} is not under the module")
-
-
 def _access(module: nn.Module, name: str) -> torch.Tensor:
     try:
-        gather = module.__dict__[_STATE].params[name]
-        if gather.pregathered is not None:  # compiled: not even the stored one (Note [Compiled gathers])
-            return gather.pregathered
-        return gather(module._parameters[name])
+        state = module.__dict__[_STATE]
+        gather = state.params[name]  # Note [Parameter read] in _access.py
+        return read(gather, module._parameters[name], state.root.bucket_of, state.root.handouts)
     except AttributeError as e:
         # nn.Module.__getattr__ would swallow it and hand out the stored shard instead.
         raise RuntimeError(f"fsdptag: gathering {name!r} of {type(module).__name__} failed: {e!r}") from e

@@ -41,7 +41,7 @@ def _buckets(module: nn.Module, recurse: bool):
     for m, st in states:
         if st is None:
             continue
-        alone = [g.fqn for g in st.params.values() if g.bucket is None]
+        alone = [g.fqn for g in st.params.values() if g not in st.root.bucket_of]
         if alone:
             raise NotImplementedError(
                 f"gradient accumulation without sync needs bucketed gathers, but {alone[0]!r} is "

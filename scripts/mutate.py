@@ -124,8 +124,8 @@ MUTANTS = [
     Mutant("param-grad-sum", "per-parameter gradients reduced with sum instead of avg",
            "fsdptag/_param.py", '(Partial("avg"),)', '(Partial("sum"),)', (PARAM,)),
     Mutant("scope-ignores-ac-region", "bucket scope serves accesses from any checkpoint region",
-           "fsdptag/_bucket.py", "if not self.scopes or self.scopes[-1].region is not sac_region():",
-           "if not self.scopes:",
+           "fsdptag/_access.py", "if not bucket.scopes or bucket.scopes[-1].region is not sac_region():",
+           "if not bucket.scopes:",
            (UNIT,)),
     Mutant("keep-never-found", "a checkpoint's recompute never finds the zero2 gather kept for it (re-gathers)",
            "fsdptag/_keep.py", "        if ZERO2[gather_context()] is not Zero2.SERVE_KEPT:\n            return None\n"

@@ -44,10 +44,11 @@ def _graph() -> dict[str, set[str]]:
     graph = {}
     for name, tree in mods.items():
         deps = set()
-        for node in tree.body:  # top level only: function-level imports are checked below
-            if isinstance(node, ast.If):  # `if TYPE_CHECKING:` imports are for annotations only
-                continue
-            deps.update(t for t in _ours(name, node, mods) if t in mods and t != name)
+        # Top level only (function-level imports are checked below), `if TYPE_CHECKING:`
+        # blocks included: an import for annotations is an edge like any other (issue 21).
+        for node in tree.body:
+            for stmt in node.body + node.orelse if isinstance(node, ast.If) else [node]:
+                deps.update(t for t in _ours(name, stmt, mods) if t in mods and t != name)
         graph[name] = deps
     return graph
 
@@ -94,6 +95,20 @@ def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
                 seen.add(dep)
                 todo.append(dep)
     return seen
+
+
+def test_lower_layers_hold_no_owner():
+    """Top-down (issue 21): a parameter's gather knows nothing of buckets or the root; a
+    bucket, its autograd Function and its compiled gather know nothing of the root, its
+    scopes or the parameter read that decides between bucket and parameter."""
+    graph = _graph()
+    above = {"fsdptag._param": {"fsdptag._bucket", "fsdptag._access", "fsdptag._state"},
+             "fsdptag._bucket": {"fsdptag._access", "fsdptag._scopes", "fsdptag._state", "fsdptag._bucket_gather",
+                                 "fsdptag._compiled"},
+             "fsdptag._bucket_gather": {"fsdptag._access", "fsdptag._state"},
+             "fsdptag._compiled": {"fsdptag._access", "fsdptag._state"},
+             "fsdptag._access": {"fsdptag._state", "fsdptag._scopes", "fsdptag._plan"}}
+    assert {m: sorted(_reachable(graph, m) & up) for m, up in above.items()} == {m: [] for m in above}
 
 
 def test_the_runtime_imports_no_tool_and_no_fixture():

@@ -1,5 +1,6 @@
-"""The README's quick start and docs/usage.md's LoRA + ``Trainer`` script, copied out
-and run as their user would: ``torchrun --nproc-per-node 2 quickstart.py``."""
+"""The README's quick start, docs/usage.md's training-controls block (appended to it) and
+its LoRA + ``Trainer`` script, copied out and run as their user would:
+``torchrun --nproc-per-node 2 quickstart.py``."""
 
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ def _quick_start() -> str:
 
 
 def _controls() -> str:
-    text = README.read_text()
-    section = text[text.index("## FSDP2's training controls"):]
+    text = USAGE.read_text()
+    section = text[text.index("### FSDP2's training controls, runnable"):]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 

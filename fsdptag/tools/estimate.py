@@ -45,7 +45,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from typing import Callable, Iterable, Iterator
 
 import torch
@@ -62,6 +62,7 @@ from .._compat import fake_store, fakes_run_eager
 from .._parametrize import parametrize
 from .._plan import reshard_resolver
 from .baselines import apply_baseline_ac
+from .records import MemoryEstimate, StepConfig
 from .report import format_cost_table, format_table
 from .compose import KEEP_LAST, compose, compose_depths, keep_last_of, resolve_reshard
 from .llama import CONFIGS
@@ -76,67 +77,6 @@ __all__ = ["AC_MODES", "POLICIES", "MemoryEstimate", "ModelSpec", "StepConfig", 
 
 POLICIES = ("tagged", "op-name", "fsdp2")
 AC_MODES = ("none", "full", "selective", "layer")  # layer: full AC on every second block
-
-
-@dataclass
-class MemoryEstimate:
-    policy: str
-    model: str
-    world_size: int
-    tp: int
-    hsdp_replicas: int
-    reshard_after_forward: bool | int | dict[str, bool | int]  # True = zero3, k: partial; a dict: per prefix
-    ac: str
-    mp: str
-    seq_len: int
-    batch: int
-    microbatches: int  # forward+backward per optimizer step, all but the last without gradient sync
-    peak_bytes: int
-    param_bytes: int  # this rank's shards of the stored parameters
-    gathered_param_bytes: int  # FSDP-gathered parameters kept for backward
-    grad_bytes: int
-    optimizer_bytes: int
-    unsynced_grad_bytes: int  # microbatches > 1: gradients accumulated without sync, at the syncing backward
-    activation_bytes: int  # everything forward keeps for backward (gathered params included)
-    kept_collective_bytes: int  # of which: outputs of TP (non-FSDP) collectives
-    kept_cast_bytes: int  # of which: activation casts (_to_copy)
-    # The step's collectives: on the data-parallel mesh dims (fsdp_, all_reduce: HSDP's
-    # replicate dim) and on the TP dim (tp_); an all-gather's output, anything else's input.
-    fsdp_all_gather_bytes: int
-    fsdp_partial_all_gather_bytes: int  # backward re-gathers over k-rank groups (reshard_after_forward=k)
-    fsdp_reduce_scatter_bytes: int
-    fsdp_all_reduce_bytes: int
-    tp_all_gather_bytes: int
-    tp_reduce_scatter_bytes: int
-    tp_all_reduce_bytes: int
-    other_collective_bytes: int  # all-to-all, broadcast
-    forward_flops: int
-    backward_flops: int  # the gradients (recompute excluded)
-    recompute_flops: int  # forward ops the backward re-runs (activation checkpointing)
-    # the collectives' issues and waits in dispatch order with the FLOPs between
-    # (Note [Exposed communication]); left out of JSON output (see ``report``)
-    timeline: tuple = field(default=(), repr=False)
-
-    def report(self) -> dict:
-        """The fields as a dict for JSON, without the timeline."""
-        out = asdict(self)
-        del out["timeline"]
-        return out
-
-
-@dataclass(frozen=True)
-class StepConfig:
-    """One configuration to estimate (see :func:`estimate` for the fields;
-    ``reshard_after_forward`` may also be ``"keep-last"``: the planner's zero3-keep-last)."""
-
-    tp: int = 1
-    hsdp_replicas: int = 1
-    reshard_after_forward: ReshardPolicy = True
-    ac: str = "none"
-    mp: str = "bf16"
-    batch: int = 1
-    policy: str = "tagged"
-    microbatches: int = 1
 
 
 def build_mesh(device_type: str, world_size: int, tp: int, hsdp_replicas: int) -> DeviceMesh:

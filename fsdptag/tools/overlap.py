@@ -4,14 +4,11 @@ proxy built on it (Note [Time proxy] in ``plan.py``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 from .._compat import resolve_group
 from ..debug import CollectiveCounter
-
-if TYPE_CHECKING:  # annotations only
-    from .estimate import MemoryEstimate
+from .records import MemoryEstimate, Rates
 
 __all__ = ["Rates", "TimelineCounter", "exposed_proxy", "exposed_s", "splice", "time_proxy", "transfer_s"]
 
@@ -159,22 +156,11 @@ def exposed_s(timeline: Sequence[tuple], flops_per_s: float, sizes: dict[str, in
     return t - compute
 
 
-@dataclass(frozen=True)
-class Rates:
-    """What the time proxy divides by (Note [Time proxy]), per GPU."""
-
-    bandwidth: float = 50e9  # bytes/s, data-parallel collectives
-    tp_bandwidth: float = 450e9  # bytes/s, TP collectives
-    partial_bandwidth: float = 450e9  # bytes/s, partial reshard's k-group re-gathers (within a node)
-    device_flops: float = 400e12  # FLOP/s
-    overlap: bool = True  # False: comm_s + compute_s (--no-overlap)
-
-
 def _ring(n: int) -> float:
     return (n - 1) / n
 
 
-def time_proxy(e: "MemoryEstimate", rates: Rates = Rates()) -> tuple[float, float]:
+def time_proxy(e: MemoryEstimate, rates: Rates = Rates()) -> tuple[float, float]:
     """``(comm_s, compute_s)`` of one estimated step (Note [Time proxy])."""
     shard = e.world_size // e.tp // e.hsdp_replicas
     dp_bytes = ((e.fsdp_all_gather_bytes + e.fsdp_reduce_scatter_bytes) * _ring(shard)
@@ -187,7 +173,7 @@ def time_proxy(e: "MemoryEstimate", rates: Rates = Rates()) -> tuple[float, floa
     return comm, (e.forward_flops + e.backward_flops + e.recompute_flops) / rates.device_flops
 
 
-def exposed_proxy(e: "MemoryEstimate", rates: Rates = Rates()) -> float:
+def exposed_proxy(e: MemoryEstimate, rates: Rates = Rates()) -> float:
     """Seconds of the step's communication compute does not hide (Note [Exposed communication])."""
     if not e.timeline:
         raise ValueError("this estimate has no timeline (made without measure_step?); use Rates(overlap=False)")

@@ -52,79 +52,23 @@ import pickle
 import re
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Callable, Sequence
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .compose import KEEP_LAST, keep_last_of, keep_last_policy
-from .overlap import Rates, exposed_proxy, time_proxy
-from .estimate import (AC_MODES, MemoryEstimate, ModelSpec, StepConfig, add_model_args, complete_spec,
+from .overlap import exposed_proxy, time_proxy
+from .estimate import (AC_MODES, ModelSpec, StepConfig, add_model_args, complete_spec,
                        estimate_each, model_spec, spec_from_args)
+from .records import Candidate, Plan, Rates, Row, speed_key
 from .report import format_plan, label, plot, pyplot, reshard_of, size
 
 __all__ = ["ZERO_MODES", "Candidate", "Plan", "Rates", "Row", "cpu_seconds", "exposed_proxy", "format_plan", "keep_last_policy",
            "parse_bytes", "plan", "plot", "time_proxy"]
 
 ZERO_MODES = ("zero2", "zero3", "zero3-keep-last", "zero3@k")
-
-
-@dataclass(frozen=True)
-class Candidate:
-    zero: str  # one of ZERO_MODES
-    ac: str  # one of AC_MODES
-    tp: int
-    batch: int  # sequences per data-parallel rank and microbatch
-    hsdp: int = 1  # HSDP replicas (1: fully sharded over every data-parallel rank)
-    microbatches: int = 1  # forward+backward per optimizer step, all but the last without gradient sync
-
-
-@dataclass
-class Row:
-    candidate: Candidate
-    estimate: MemoryEstimate
-    comm_s: float  # every collective's time, summed
-    compute_s: float
-    fits: bool
-    pareto: bool = False
-    exposed_s: float | None = None  # what compute does not hide; None: --no-overlap
-
-    @property
-    def step_s(self) -> float:
-        return self.compute_s + (self.comm_s if self.exposed_s is None else self.exposed_s)
-
-    @property
-    def us_per_token(self) -> float:
-        """GPU microseconds per token: the comparison key (Note [Time proxy])."""
-        e = self.estimate
-        return 1e6 * self.step_s * e.tp / (e.batch * e.microbatches * e.seq_len)
-
-
-@dataclass
-class Plan:
-    model: str
-    world_size: int
-    memory_bytes: int
-    rates: Rates
-    rows: list[Row]  # every configuration estimated, in the order run
-    skipped: list[str] = field(default_factory=list)  # TP degrees that could not run, and why
-    keep_last: dict[str, bool] | None = None  # zero3-keep-last's reshard_after_forward
-    tp_plan: str | None = None  # the TP plan's qualified name
-
-    @property
-    def pareto(self) -> list[Row]:
-        """The configurations that fit and that nothing beats in both memory and time, fastest first."""
-        return sorted((r for r in self.rows if r.pareto), key=_speed)
-
-    @property
-    def recommended(self) -> Row | None:
-        front = self.pareto
-        return front[0] if front else None
-
-
-def _speed(r: Row) -> tuple[float, int]:
-    return (r.us_per_token, r.estimate.peak_bytes)
 
 
 def plan(model: str | ModelSpec | Callable[[], nn.Module], world_size: int, memory_bytes: int, *,
@@ -261,7 +205,7 @@ def _sweep(spec: ModelSpec, p: Plan, tp: int, replicas, batches, microbatches, a
 
 def _mark_pareto(rows: list[Row]) -> None:
     lowest = None
-    for r in sorted((r for r in rows if r.fits), key=_speed):
+    for r in sorted((r for r in rows if r.fits), key=speed_key):
         if lowest is None or r.estimate.peak_bytes < lowest:
             r.pareto, lowest = True, r.estimate.peak_bytes
 

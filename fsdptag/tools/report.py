@@ -4,13 +4,9 @@ set a row up, the plan in words and its plot (``python -m fsdptag.plan --plot``)
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
 
 from .measure import COLLECTIVE_FIELDS
-
-if TYPE_CHECKING:  # annotations only
-    from .estimate import MemoryEstimate
-    from .plan import Candidate, Plan, Row
+from .records import Candidate, MemoryEstimate, Plan, Row
 
 __all__ = ["AC_CALLS", "calls", "format_cost_table", "format_plan", "format_rows", "format_table", "label", "plot",
            "pyplot", "reshard_of", "size"]

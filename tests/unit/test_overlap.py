@@ -121,7 +121,7 @@ def test_unbound_between_prefetch_and_claim(fake_pg):
     served, with the same collectives, forward and backward, as without the compile
     (an unbound bucket still prefetches: which buckets prefetch must not differ between
     ranks; the fake process group moves no data: values are not compared)."""
-    from fsdptag._compiled import _unbind_all
+    from fsdptag._bucket import _unbind_all
     mesh = init_device_mesh("cpu", (2,))
     tokens = torch.randint(0, 34, (2, 6))
     runs = []

@@ -78,3 +78,17 @@ def test_load_in_a_fresh_process(one_rank, tmp_path):
     assert run.returncode == 0, run.stderr
     name, value = run.stdout.split()
     assert name == type(model).__name__ and float(value) == expected
+
+
+def test_one_generated_class_per_module(one_rank):
+    """However many kinds a module took (root, parameters, bucket root, checkpointed),
+    its class is one generated class directly over the user's (issue 21)."""
+    from fsdptag._class_swap import user_class
+
+    model = _model(2, "full")
+    generated = {name or "<root>": type(m) for name, m in model.named_modules()
+                 if "_fsdptag_generated" in type(m).__dict__}
+    assert generated  # the root, the blocks, their linears
+    assert {n: (c.__mro__[1] is user_class(c), sum("_fsdptag_generated" in k.__dict__ for k in c.__mro__))
+            for n, c in generated.items()} == {n: (True, 1) for n in generated}
+    assert type(model.layers[0]).__name__.startswith("CheckpointedBucketed")
