@@ -23,7 +23,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from ._api import ACMode
-from ._blocks import AC_CONTEXT_FN, find_blocks, is_checkpointed
+from ._blocks import AC_CONTEXT_FN, WRAPPED, find_blocks, is_checkpointed
 from ._scopes import scoped
 from ._checkpoint import DEFAULT_SAVE_OPS, SaveOps, as_policy, checkpoint_context_fn
 from ._class_swap import register_kind, swap_class, user_class
@@ -131,9 +131,12 @@ def parse_ac(model, mode, blocks, save_ops, layer_every):
                 "nn.ModuleDict); pass blocks=[...] explicitly"
             )
     blocks = list(blocks)
+    wrapped = {id(getattr(m, WRAPPED)) for m in model.modules() if isinstance(getattr(m, WRAPPED, None), nn.Module)}
     for block in blocks:
-        if is_checkpointed(block):
-            raise ValueError(f"{type(block).__name__} already has activation checkpointing applied")
+        if is_checkpointed(block) or id(block) in wrapped:
+            raise ValueError(f"{type(block).__name__} already has activation checkpointing applied"
+                             + (" (a checkpoint wrapper around it): use that, or unwrap it first"
+                                if id(block) in wrapped else ""))
     if save_ops is not None:
         base = SaveOps(save_ops, every_other_mm=False)
     elif mode is ACMode.SELECTIVE and layer_every is None:

@@ -26,12 +26,14 @@ what zero2 and zero3 keep.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.distributed.tensor import DTensor
 
 from ._bucket import Bucket
 from ._bucket_gather import GatherBucket
-from ._compat import graph_task_id, is_compiling
+from ._compat import graph_task_id, is_compiling, sac_hidden
 from ._context import GatherContext, gather_context, in_inference, sac_region
 from ._param import Handouts, ParamGather, flags
 from ._prefetch import Prefetched
@@ -104,7 +106,8 @@ def gather(bucket: Bucket, *, tagged: bool, prefetched: Prefetched | None = None
     if reuse is not None and prefetched is not None:
         prefetched.wait()
         prefetched = None
-    return _handouts(bucket, GatherBucket.apply(bucket, tagged, prefetched, reuse, how, *params))
+    with sac_hidden() if gather_context().hides_fsdp_ops else contextlib.nullcontext():  # Note [Whose selective policy]
+        return _handouts(bucket, GatherBucket.apply(bucket, tagged, prefetched, reuse, how, *params))
 
 
 def _scopeless_recompute(bucket: Bucket, param: ParamGather, tagged: bool) -> torch.Tensor | None:

@@ -53,6 +53,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ._compat import (
+    DECIDES_FSDP_OPS,
     SAC_POLICY_SEES_OUTPUT,
     SACCachedMode,
     SACCachingMode,
@@ -165,6 +166,7 @@ def checkpoint_policy(base=None) -> Policy:
             return save
         return recompute
 
+    setattr(policy, DECIDES_FSDP_OPS, True)  # Note [Whose selective policy] in _context.py
     return policy
 
 

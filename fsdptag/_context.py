@@ -23,15 +23,33 @@ forward        a training forward, nobody else's     autograd saves the handout 
                saved-tensor hooks on top
 checkpoint     a non-reentrant checkpoint region     kept by the gather's node until its       the recompute gathers again
                                                      backward (node)
-sac            a selective-checkpoint region         the policy saves the all-gather           the policy recomputes it
-               (anyone's policy)                     (fsdptag's: Note [Tagged checkpoint
-                                                     policy])
+sac            a selective-checkpoint region whose   the policy saves the all-gather           the policy recomputes it
+               policy decides FSDP ops (fsdptag's)   (Note [Tagged checkpoint policy])
+foreign sac    a selective-checkpoint region of      kept by the gather's node, unseen by the  the recompute gathers again, unseen
+               anyone else's policy                  policy (Note [Whose selective policy])    by the policy
 other hooks    someone else's saved-tensor hooks     kept by the gather's node (it may be a    fsdptag's hooks save a re-gather handle
                (save_on_cpu, a profiler)             checkpoint), and fsdptag's hooks keep     (composed over them)
                                                      it on the device
 recompute      in backward, outside SAC regions      served from the kept gather               gathered, once per bucket
 sac recompute  in backward, in a SAC region          the policy replays the saved all-gather   gathered, once per bucket
+foreign sac    in backward, in a foreign SAC region  served from the kept gather, unseen by    gathered, once per bucket, unseen
+recompute                                            the policy                                by the policy
 =============  ====================================  ========================================  ======================================
+
+Note [Whose selective policy]
+-----------------------------
+A selective-checkpoint policy sees op names, and FSDP's all-gather is named as TP's
+(the mission's first fact). fsdptag's tagged policy tells them apart by tag; any other
+policy (torchtitan's op list, ``create_selective_checkpoint_contexts`` with a user's
+function) would save the FSDP all-gathers with the TP ones (zero3 kept gathered) or
+recompute them (zero2 re-gathered in backward). So in a region whose policy does not
+carry ``DECIDES_FSDP_OPS`` (``fsdptag.checkpoint_policy`` and everything built on it
+do), fsdptag's gathers run unseen by the region (``sac_hidden``), in its forward and
+its recompute alike, so the policy's per-op replay stays in step: zero2 keeps the
+gather on its node and serves it in the recompute (Note [zero2 kept until backward]),
+zero3 gathers again there, and the policy decides every other op (TP collectives,
+activation casts) as its author meant. A policy that wants FSDP ops for itself (the
+baselines in ``fsdptag/tools/baselines.py``) sets the marker.
 
 Note [Whose saved-tensor hooks]
 -------------------------------
@@ -70,7 +88,8 @@ import enum
 
 import torch
 
-from ._compat import current_sac_region, in_backward, is_checkpoint_hook, top_saved_tensor_hooks
+from ._compat import (current_sac_region, in_backward, is_checkpoint_hook, sac_policy_decides_fsdp_ops,
+                      top_saved_tensor_hooks)
 
 __all__ = ["FSDPTAG_HOOK", "GatherContext", "Hooks", "RootForward", "ZERO2", "ZERO3", "Zero2", "Zero3", "gather_context",
            "grad_mode_trains", "in_inference", "running_backward", "sac_region", "saved_tensor_hooks"]
@@ -117,13 +136,21 @@ class GatherContext(enum.Enum):
     FORWARD = "forward"
     CHECKPOINT = "checkpoint"
     SAC = "sac"
+    FOREIGN_SAC = "foreign sac"
     OTHER_HOOKS = "other hooks"
     RECOMPUTE = "recompute"
     SAC_RECOMPUTE = "sac recompute"
+    FOREIGN_SAC_RECOMPUTE = "foreign sac recompute"
 
     @property
     def in_backward(self) -> bool:
-        return self in (GatherContext.RECOMPUTE, GatherContext.SAC_RECOMPUTE)
+        return self in (GatherContext.RECOMPUTE, GatherContext.SAC_RECOMPUTE, GatherContext.FOREIGN_SAC_RECOMPUTE)
+
+    @property
+    def hides_fsdp_ops(self) -> bool:
+        """Whether fsdptag's gathers run unseen by the region's policy (Note [Whose
+        selective policy])."""
+        return self in (GatherContext.FOREIGN_SAC, GatherContext.FOREIGN_SAC_RECOMPUTE)
 
 
 def gather_context(training_forward: bool = False) -> GatherContext:
@@ -131,10 +158,12 @@ def gather_context(training_forward: bool = False) -> GatherContext:
     forward began with grad on (tells a reentrant checkpoint's forward from ``no_grad``)."""
     if torch.is_inference_mode_enabled():
         return GatherContext.INFERENCE
-    sac = current_sac_region() is not None
+    sac = current_sac_region()
+    if sac is not None and not sac_policy_decides_fsdp_ops(sac):  # Note [Whose selective policy]
+        return GatherContext.FOREIGN_SAC_RECOMPUTE if in_backward() else GatherContext.FOREIGN_SAC
     if in_backward():
-        return GatherContext.SAC_RECOMPUTE if sac else GatherContext.RECOMPUTE
-    if sac:
+        return GatherContext.SAC_RECOMPUTE if sac is not None else GatherContext.RECOMPUTE
+    if sac is not None:
         return GatherContext.SAC
     if not torch.is_grad_enabled():
         return GatherContext.REENTRANT if training_forward else GatherContext.NO_GRAD
@@ -172,11 +201,13 @@ ZERO2: dict[GatherContext, Zero2] = {
     _C.INFERENCE: Zero2.NOTHING, _C.NO_GRAD: Zero2.NOTHING, _C.REENTRANT: Zero2.PIN,
     _C.FORWARD: Zero2.AUTOGRAD, _C.CHECKPOINT: Zero2.KEEP_ON_NODE, _C.SAC: Zero2.POLICY,
     _C.OTHER_HOOKS: Zero2.KEEP_ON_NODE, _C.RECOMPUTE: Zero2.SERVE_KEPT, _C.SAC_RECOMPUTE: Zero2.POLICY,
+    _C.FOREIGN_SAC: Zero2.KEEP_ON_NODE, _C.FOREIGN_SAC_RECOMPUTE: Zero2.SERVE_KEPT,
 }
 ZERO3: dict[GatherContext, Zero3] = {
     _C.INFERENCE: Zero3.NOTHING, _C.NO_GRAD: Zero3.NOTHING, _C.REENTRANT: Zero3.RECOMPUTE,
     _C.FORWARD: Zero3.REGATHER_HANDLE, _C.CHECKPOINT: Zero3.RECOMPUTE, _C.SAC: Zero3.POLICY,
     _C.OTHER_HOOKS: Zero3.REGATHER_HANDLE, _C.RECOMPUTE: Zero3.GATHER, _C.SAC_RECOMPUTE: Zero3.GATHER,
+    _C.FOREIGN_SAC: Zero3.RECOMPUTE, _C.FOREIGN_SAC_RECOMPUTE: Zero3.GATHER,
 }
 
 

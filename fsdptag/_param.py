@@ -66,8 +66,8 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ._api import MixedPrecisionPolicy
-from ._compat import contiguous_strides, local_of
-from ._context import RootForward, in_inference
+from ._compat import contiguous_strides, local_of, sac_hidden
+from ._context import RootForward, gather_context, in_inference
 from ._keep import KeptGather, Keeper, ServeAllGather
 from ._handout import alias, check_unchanged, refuse_in_place, tag_shard, untag
 from ._tag import FSDPTag
@@ -242,6 +242,10 @@ class ParamGather:
         # No FSDP op, or nothing to checkpoint (inference_mode): no tag (Note [Marked
         # handout] in _tag.py).
         tagged = tagged and copies and not in_inference()
+        with sac_hidden() if copies and gather_context().hides_fsdp_ops else contextlib.nullcontext():
+            return self._gather_kept(stored, tagged, copies)  # Note [Whose selective policy] in _context.py
+
+    def _gather_kept(self, stored: DTensor, tagged: bool, copies: bool) -> torch.Tensor:
         if self.keeper is None or not tagged:
             return self._gather(stored, tagged, copies)
         kept = self.keeper.find([stored])  # a recompute: serve the forward's all-gather

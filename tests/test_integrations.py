@@ -18,7 +18,7 @@ from torch.autograd.graph import save_on_cpu
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import fsdptag
 from fsdptag._blocks import find_blocks
@@ -35,7 +35,27 @@ transformers = pytest.importorskip("transformers")  # the test extra pins it
 # ---------------------------------------------------------------- anyone's checkpointing
 
 CHECKPOINTING = ("none", "plain", "reentrant", "wrapper", "wrapper before parametrize",
-                 "fsdptag full", "fsdptag selective")
+                 "fsdptag full", "fsdptag selective", "op-list selective wrapper",
+                 "op-list selective wrapper before parametrize")
+
+# torchtitan's selective AC as it ships: its own op-list policy (no fsdptag in it) in a
+# checkpoint wrapper around each block (Note [Whose selective policy] in _context.py)
+_OP_LIST = {torch.ops.aten.mm.default, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+            torch.ops.aten._scaled_dot_product_efficient_attention.default,
+            torch.ops._c10d_functional.reduce_scatter_tensor.default, torch.ops.aten.max.default}
+
+
+def _op_list_policy(ctx, func, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if func in _OP_LIST else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _wrap_blocks(model: nn.Module, how: str) -> None:
+    """Each block in torch's checkpoint wrapper: full AC, or torchtitan's selective AC."""
+    context = {}
+    if how.startswith("op-list selective"):
+        context["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _op_list_policy)
+    for i, block in enumerate(model.layers):
+        model.layers[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **context)
 
 
 def _wrap_forward(block: nn.Module, reentrant: bool) -> None:
@@ -48,16 +68,14 @@ def _llama(mesh, reshard: bool, how: str, bucket: str = "blocks") -> nn.Module:
     torch.manual_seed(0)
     model = Llama(CFG)
     model.init_weights()
-    if how == "wrapper before parametrize":
-        for i, block in enumerate(model.layers):
-            model.layers[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    if how.endswith("wrapper before parametrize"):
+        _wrap_blocks(model, how)
     fsdptag.parametrize(model, mesh, reshard_after_forward=reshard, mp_policy=MP, bucket=bucket)
     if how in ("plain", "reentrant"):
         for block in model.layers:
             _wrap_forward(block, reentrant=how == "reentrant")
-    elif how == "wrapper":
-        for i, block in enumerate(model.layers):
-            model.layers[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    elif how.endswith("wrapper"):
+        _wrap_blocks(model, how)
     elif how.startswith("fsdptag "):
         fsdptag.apply_ac(model, how.removeprefix("fsdptag "))
     return model
@@ -101,7 +119,7 @@ def _fsdp2_kept(mesh, dp_rank):
     from torch.distributed.fsdp import MixedPrecisionPolicy as FSDP2MP, fully_shard
 
     rows = {}
-    for how in ("none", "plain", "reentrant", "wrapper"):
+    for how in ("none", "plain", "reentrant", "wrapper", "op-list selective wrapper"):
         torch.manual_seed(0)
         model = Llama(CFG)
         model.init_weights()
@@ -116,9 +134,8 @@ def _fsdp2_kept(mesh, dp_rank):
         if how in ("plain", "reentrant"):
             for block in model.layers:
                 _wrap_forward(block, reentrant=how == "reentrant")
-        elif how == "wrapper":
-            for i, block in enumerate(model.layers):
-                model.layers[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+        elif how.endswith("wrapper"):
+            _wrap_blocks(model, how)
         _train_step(model, mesh, dp_rank)
         cc, kept, _ = _train_step(model, mesh, dp_rank)
         rows[how] = (cc.count("forward", "all_gather"), cc.count("backward", "all_gather"), kept)
@@ -215,13 +232,17 @@ zero2 wrapper: 3/0, kept 48264 B, reduce-scatters 3, grads bitwise
 zero2 wrapper before parametrize: 3/0, kept 48264 B, reduce-scatters 3, grads bitwise
 zero2 fsdptag full: 3/0, kept 48264 B, reduce-scatters 3, grads bitwise
 zero2 fsdptag selective: 3/0, kept 59272 B, reduce-scatters 3, grads bitwise
+zero2 op-list selective wrapper: 3/0, kept 65672 B, reduce-scatters 3, grads bitwise
+zero2 op-list selective wrapper before parametrize: 3/0, kept 65672 B, reduce-scatters 3, grads bitwise
 zero3 none: 3/3, kept 52168 B, reduce-scatters 3, grads bitwise
 zero3 plain: 3/3, kept 11464 B, reduce-scatters 3, grads bitwise
 zero3 reentrant: 3/3, kept 11464 B, reduce-scatters 3, grads bitwise
 zero3 wrapper: 3/3, kept 11464 B, reduce-scatters 3, grads bitwise
 zero3 wrapper before parametrize: 3/3, kept 11464 B, reduce-scatters 3, grads bitwise
 zero3 fsdptag full: 3/3, kept 11464 B, reduce-scatters 3, grads bitwise
-zero3 fsdptag selective: 3/3, kept 22472 B, reduce-scatters 3, grads bitwise""")
+zero3 fsdptag selective: 3/3, kept 22472 B, reduce-scatters 3, grads bitwise
+zero3 op-list selective wrapper: 3/3, kept 28872 B, reduce-scatters 3, grads bitwise
+zero3 op-list selective wrapper before parametrize: 3/3, kept 28872 B, reduce-scatters 3, grads bitwise""")
 
 
 def test_zero2_never_regathers_per_parameter_either(results):
@@ -235,21 +256,25 @@ zero2 wrapper: 21/0, kept 48264 B, reduce-scatters 21, grads bitwise
 zero2 wrapper before parametrize: 21/0, kept 48264 B, reduce-scatters 21, grads bitwise
 zero2 fsdptag full: 21/0, kept 48264 B, reduce-scatters 21, grads bitwise
 zero2 fsdptag selective: 21/0, kept 59272 B, reduce-scatters 21, grads bitwise
+zero2 op-list selective wrapper: 21/0, kept 65672 B, reduce-scatters 21, grads bitwise
+zero2 op-list selective wrapper before parametrize: 21/0, kept 65672 B, reduce-scatters 21, grads bitwise
 zero3 none: 21/20, kept 52168 B, reduce-scatters 21, grads bitwise
 zero3 plain: 21/20, kept 11464 B, reduce-scatters 21, grads bitwise
 zero3 reentrant: 21/20, kept 11464 B, reduce-scatters 21, grads bitwise
 zero3 wrapper: 21/20, kept 11464 B, reduce-scatters 21, grads bitwise
 zero3 wrapper before parametrize: 21/20, kept 11464 B, reduce-scatters 21, grads bitwise
 zero3 fsdptag full: 21/20, kept 11464 B, reduce-scatters 21, grads bitwise
-zero3 fsdptag selective: 21/20, kept 22472 B, reduce-scatters 21, grads bitwise""")
+zero3 fsdptag selective: 21/20, kept 22472 B, reduce-scatters 21, grads bitwise
+zero3 op-list selective wrapper: 21/20, kept 28872 B, reduce-scatters 21, grads bitwise
+zero3 op-list selective wrapper before parametrize: 21/20, kept 28872 B, reduce-scatters 21, grads bitwise""")
 
 
 def test_zero2_keeps_no_more_than_fsdp2(results):
     rows, fsdp2 = result(results, "any checkpointing"), result(results, "fsdp2 kept")
-    for how in ("plain", "reentrant", "wrapper"):
+    for how in ("plain", "reentrant", "wrapper", "op-list selective wrapper"):
         kept = int(rows[f"zero2 {how}"].split("kept ")[1].split(" B")[0])
         assert fsdp2[how][1] == 0 and kept <= fsdp2[how][2], (how, kept, fsdp2[how])
-    assert_expected_inline(str(fsdp2), """{'none': (3, 0, 93192), 'plain': (3, 0, 52488), 'reentrant': (3, 0, 52488), 'wrapper': (3, 0, 52488)}""")
+    assert_expected_inline(str(fsdp2), """{'none': (3, 0, 93192), 'plain': (3, 0, 52488), 'reentrant': (3, 0, 52488), 'wrapper': (3, 0, 52488), 'op-list selective wrapper': (3, 0, 69896)}""")
 
 
 def test_module_dict_blocks_are_buckets_and_regions(results):

@@ -8,6 +8,8 @@ what                                               why fsdptag needs it
 =================================================  ==========================================
 ``checkpoint._CachingTorchDispatchMode`` /          the SAC modes: the replay check subclasses
 ``_CachedTorchDispatchMode``                        them; a bucket scope finds its region by them
+SAC modes' ``policy_fn`` / ``storage``             whether a region's policy decides FSDP ops,
+                                                   kept for its recompute under a key of ours
 SAC's error texts (``SAC_REPLAY_ERRORS``)           to re-raise replay failures with the cause
 ``_get_current_dispatch_mode_stack``                the innermost SAC region running now
 ``torch._functionalize_unsafe_set``                 a view's tagged wrapper aliases its base
@@ -108,6 +110,8 @@ __all__ = [
     "contiguous_strides",
     "allow_checkpoint_side_effects",
     "current_sac_region",
+    "DECIDES_FSDP_OPS",
+    "sac_policy_decides_fsdp_ops",
     "fix_compiled_rng_states",
     "graph_task_id",
     "in_backward",
@@ -172,6 +176,26 @@ def current_sac_region():
         if isinstance(mode, (_CachingTorchDispatchMode, _CachedTorchDispatchMode)):
             return mode
     return None
+
+
+DECIDES_FSDP_OPS = "_fsdptag_decides_fsdp_ops"  # a policy function's marker (Note [Whose selective policy])
+_DECIDES_KEY = object()  # where a region's answer is kept, in its SAC storage (read back in its recompute)
+
+
+def sac_policy_decides_fsdp_ops(mode) -> bool:
+    """Whether the policy of the SAC region ``mode`` decides FSDP ops itself (it carries
+    ``DECIDES_FSDP_OPS``: fsdptag's tagged policy). Read off the policy in the region's
+    forward and kept in the storage its forward and recompute modes share: torch 2.13's
+    recompute mode does not keep the policy. SAC only reads its storage by op, so the
+    extra key is never seen."""
+    storage = mode.storage
+    known = storage.get(_DECIDES_KEY) if isinstance(storage, dict) else None
+    if known is not None:
+        return known[0]
+    decides = bool(getattr(getattr(mode, "policy_fn", None), DECIDES_FSDP_OPS, False))
+    if isinstance(mode, _CachingTorchDispatchMode):
+        storage[_DECIDES_KEY] = [decides]
+    return decides
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from .._compat import SAC_POLICY_SEES_OUTPUT
+from .._compat import DECIDES_FSDP_OPS, SAC_POLICY_SEES_OUTPUT
 from .._ac import checkpoint_blocks, parse_ac
 from .._checkpoint import as_policy, fresh_base
 from .._tag import innermost, is_fsdp_tagged, output_tag
@@ -72,6 +72,16 @@ class OpNamePolicy:
             self.untagged_saved[("cast", len(self.untagged_saved))] = args[0].numel() * dtype.itemsize
 
 
+def _deciding_fsdp_ops(policy):
+    """``policy``, left to decide FSDP ops by name as well: what a baseline measures
+    (Note [Whose selective policy] in ``_context.py``)."""
+    def decide(ctx, func, *args, **kwargs):
+        return policy(ctx, func, *args, **kwargs)
+
+    setattr(decide, DECIDES_FSDP_OPS, True)
+    return decide
+
+
 def apply_baseline_ac(
     model: nn.Module,
     mode: str,
@@ -92,7 +102,7 @@ def apply_baseline_ac(
         def context_fn():
             fresh = fresh_base(base)
             chosen = OpNamePolicy(fresh, untagged_saved) if policy == "op-name" else as_policy(fresh)
-            return create_selective_checkpoint_contexts(chosen)
+            return create_selective_checkpoint_contexts(_deciding_fsdp_ops(chosen))
 
         return context_fn
 
