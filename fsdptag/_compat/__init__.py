@@ -179,23 +179,25 @@ def current_sac_region():
 
 
 DECIDES_FSDP_OPS = "_fsdptag_decides_fsdp_ops"  # a policy function's marker (Note [Whose selective policy])
-_DECIDES_KEY = object()  # where a region's answer is kept, in its SAC storage (read back in its recompute)
+_FOREIGN_KEY = object()  # in a foreign region's SAC storage: read back in its recompute
 
 
 def sac_policy_decides_fsdp_ops(mode) -> bool:
     """Whether the policy of the SAC region ``mode`` decides FSDP ops itself (it carries
     ``DECIDES_FSDP_OPS``: fsdptag's tagged policy). Read off the policy in the region's
-    forward and kept in the storage its forward and recompute modes share: torch 2.13's
-    recompute mode does not keep the policy. SAC only reads its storage by op, so the
-    extra key is never seen."""
+    forward; torch 2.13's recompute mode does not keep the policy, so a region whose
+    policy does not decide them says so in the storage its forward and recompute modes
+    share (SAC reads its storage by op only: the extra key is never seen). A recompute
+    finds the key, or none: a region of fsdptag's policy, whose storage is left as is."""
     storage = mode.storage
-    known = storage.get(_DECIDES_KEY) if isinstance(storage, dict) else None
-    if known is not None:
-        return known[0]
-    decides = bool(getattr(getattr(mode, "policy_fn", None), DECIDES_FSDP_OPS, False))
-    if isinstance(mode, _CachingTorchDispatchMode):
-        storage[_DECIDES_KEY] = [decides]
-    return decides
+    if _FOREIGN_KEY in storage:
+        return False
+    if not isinstance(mode, _CachingTorchDispatchMode):  # a recompute: its forward said
+        return True
+    if getattr(mode.policy_fn, DECIDES_FSDP_OPS, False):
+        return True
+    storage[_FOREIGN_KEY] = ()
+    return False
 
 
 @contextlib.contextmanager
