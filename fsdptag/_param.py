@@ -7,10 +7,10 @@ FSDP, ``Replicate`` for DDP, ``(Replicate, Shard)`` for HSDP; with TP the
 data-parallel placements are prepended to the TP placements, using
 ``_StridedShard`` when TP shards the same dim). The module's class is swapped
 for a subclass whose property for each parameter name reads it (Note [Parameter
-read] in ``_access.py``), through its :class:`ParamGather` when alone: the shard, tagged at this boundary (see Note [Tag life
-cycle] in ``_tag.py``), redistributed to ``Replicate`` over the data-parallel
-mesh only (cast to ``param_dtype`` first) and handed to compute as a plain
-tensor, or as a DTensor on the TP mesh. The gradient path is DTensor's:
+read] in ``_access.py``), through its :class:`ParamGather` when alone: the shard,
+tagged at this boundary (see Note [Tag life cycle] in ``_tag.py``), redistributed
+to ``Replicate`` over the data-parallel mesh only (cast to ``param_dtype`` first)
+and handed to compute as a plain tensor, or as a DTensor on the TP mesh. The gradient path is DTensor's:
 ``to_local(grad_placements=Partial("avg"))`` makes backward reduce-scatter
 (FSDP), all-reduce (DDP) or both (HSDP) in ``reduce_dtype``. A parameter in a
 bucket is served by the bucket instead while its root's ``forward`` runs (Note
