@@ -159,7 +159,8 @@ class Bucket:
     tells it from the root's other buckets (``"[bfloat16]"``, ``"[zero2]"``, ... or "")."""
 
     def __init__(self, root_fqn: str, variant: str, reshard: bool, params: list[ParamGather], dp_mesh,
-                 mp: MixedPrecisionPolicy, shared: BucketShared, partial: int | None = None) -> None:
+                 mp: MixedPrecisionPolicy, shared: BucketShared, partial: int | None = None,
+                 divide: int | None = None) -> None:
         self.root_fqn, self.variant = root_fqn, variant
         self.name = (root_fqn or "<root>") + variant
         self.params = params  # in slot order
@@ -178,6 +179,7 @@ class Bucket:
             None if replicate_dim is None else dp_mesh.get_group(replicate_dim).group_name)
         self.param_dtype = mp.param_dtype
         self.reduce_dtype = mp.reduce_dtype or mp.param_dtype
+        self.divide = divide  # averaged over other ranks than its own (Note [Gradient reduction])
         # a TP parameter's slot holds its TP-local tensor
         self.slots, self.numel = layout([p.dp_shape for p in params], self.world)
         self.split_sizes = [slot.numel for slot in self.slots]
@@ -288,7 +290,8 @@ class Bucket:
     def reduction(self, dtype: torch.dtype) -> GradientReduction:
         """How its gradient, reduced in ``dtype``, is averaged (Note [Gradient reduction]
         in ``_collectives.py``)."""
-        return gradient_reduction(self.world, self.group_name, self.replicas, self.replicate_group, dtype)
+        return gradient_reduction(self.world, self.group_name, self.replicas, self.replicate_group, dtype,
+                                  self.divide)
 
     def copies(self) -> bool:
         """Whether a gather makes new tensors (a collective or a cast)."""

@@ -16,7 +16,15 @@ fp32 / bf16, size > 1             ``avg`` (NCCL divides in the collective; gloo
 fp16 (overflow risk), size > 1    divide by ``pre`` ~ sqrt(size) before, ``sum``,
                                   divide by ``size / pre`` after
 size 1                            ``sum`` (NCCL's ``avg`` is wrong at size 1)
+averaged over ``divide`` ranks    fp32 / bf16: divide by ``divide`` before, ``sum``
+that are not its own              (FSDP2's ``set_gradient_divide_factor``: its
+                                  ``PREMUL_SUM``); fp16: as above with ``divide``
 ================================  ===============================================
+
+The last row is expert parallelism (Note [Meshes per module] in ``_plan.py``): an
+expert's gradient already sums, through the all-to-all's backward, the tokens of the
+EP ranks that are not in its own data-parallel mesh, so it is averaged over the
+model's data-parallel ranks (``divide``), not over its mesh's.
 
 HSDP reduce-scatters over the shard dim and all-reduces over the replicate dim, each
 with the op above (``avg`` twice for fp32 / bf16), as FSDP2 does.
@@ -75,12 +83,18 @@ class GradientReduction:
 
 
 def gradient_reduction(world: int, group: str | None, replicas: int, replicate_group: str | None,
-                       reduce_dtype: torch.dtype) -> GradientReduction:
-    """FSDP2's choice of reduce op and divide factors for this bucket."""
+                       reduce_dtype: torch.dtype, divide: int | None = None) -> GradientReduction:
+    """FSDP2's choice of reduce op and divide factors for this bucket; ``divide``: the
+    ranks it is averaged over where they are not its own (expert parallelism)."""
     size = world * replicas
+    foreign = divide is not None and divide != size
+    if foreign:
+        size = divide
     if size == 1:
         return GradientReduction(world, group, replicas, replicate_group, "sum", None, None)
     if reduce_dtype in (torch.float32, torch.bfloat16):
+        if foreign:
+            return GradientReduction(world, group, replicas, replicate_group, "sum", float(size), None)
         return GradientReduction(world, group, replicas, replicate_group, "avg", None, None)
     pre = 1
     while size % pre == 0 and size / pre > pre:

@@ -74,7 +74,7 @@ def _gather_in_graph(bucket: Bucket, *params: DTensor) -> tuple[torch.Tensor, ..
     flat = pack([p.to_local() for p in params], bucket.slots)  # to_local's backward makes the DTensor grad
     gathered = _BucketCollectives.apply(flat, bucket.world, bucket.group_name, bucket.replicas,
                                         bucket.replicate_group, bucket.param_dtype, bucket.reduce_dtype,
-                                        _runs(bucket, [p.requires_grad for p in params]))
+                                        _runs(bucket, [p.requires_grad for p in params]), bucket.divide)
     split = copy_out(gathered, bucket.world, bucket.numel, bucket.split_sizes)
     return tuple(g.on_tp_mesh(unpad(bucket.world, slot, piece))
                  for g, slot, piece in zip(bucket.params, bucket.slots, split))
@@ -100,8 +100,9 @@ class _BucketCollectives(torch.autograd.Function):
     ``reduce_gradient`` (Note [Compiled buckets])."""
 
     @staticmethod
-    def forward(ctx, flat, world, group, replicas, replicate_group, param_dtype, reduce_dtype, runs):
+    def forward(ctx, flat, world, group, replicas, replicate_group, param_dtype, reduce_dtype, runs, divide):
         ctx.world, ctx.group, ctx.replicas, ctx.replicate_group = world, group, replicas, replicate_group
+        ctx.divide = divide
         ctx.in_dtype = flat.dtype
         ctx.reduce_dtype = reduce_dtype
         ctx.runs = runs
@@ -122,7 +123,7 @@ class _BucketCollectives(torch.autograd.Function):
         elif runs is None:
             grad = grad.clone()  # averaged in place below
         grad = reduce_gradient(grad, gradient_reduction(ctx.world, ctx.group, ctx.replicas, ctx.replicate_group,
-                                                        grad.dtype))
+                                                        grad.dtype, ctx.divide))
         if runs is not None:  # the frozen slots' zeros back in place
             pieces, at = [], 0
             for _, n, need in runs:
@@ -131,4 +132,4 @@ class _BucketCollectives(torch.autograd.Function):
             grad = torch.cat(pieces)
         if grad.dtype != ctx.in_dtype:
             grad = grad.to(ctx.in_dtype)
-        return grad, None, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None, None

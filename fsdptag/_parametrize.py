@@ -5,6 +5,8 @@ See Note [Parametrization] in ``_param.py`` for what an access does."""
 
 from __future__ import annotations
 
+from typing import Mapping
+
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -23,7 +25,7 @@ register_kind("Parametrized", lambda cls, key: root_methods(cls) | hf_root_metho
 
 def parametrize(
     model: nn.Module,
-    mesh: DeviceMesh,
+    mesh: DeviceMesh | Mapping[str, DeviceMesh],
     *,
     mode: str | DataParallelMode | None = None,
     reshard_after_forward: ReshardPolicy = True,
@@ -31,6 +33,7 @@ def parametrize(
     shard_dim: int = 0,
     bucket: BucketPolicy = "blocks",
     prefetch: bool | int | OverlapPolicy = True,
+    gradient_divide_factor: float | None = None,
 ) -> nn.Module:
     """Make ``model`` data parallel over ``mesh``, SimpleFSDP style, in place.
 
@@ -49,6 +52,16 @@ def parametrize(
     two dims, shard over the second; the default for two) or ``"replicate"`` (DDP,
     one dim). A mesh dim named like a TP dim (``"tp"``) that no parameter uses is an
     error without an explicit ``mode`` (``parallelize_module`` was likely forgotten).
+    A dict of module-FQN prefixes to meshes (``""``: the rest) gives modules their
+    own mesh, as expert parallelism needs: experts sharded over EP by
+    ``parallelize_module`` take ``mesh[("efsdp", "ep")]``, the rest ``mesh["fsdp"]``
+    (Note [Meshes per module] in ``_mesh.py``).
+
+    Gradients are averaged over the data-parallel ranks of the ``""`` mesh, also
+    where a module's own mesh has fewer (experts: the all-to-all's backward summed
+    the rest); ``gradient_divide_factor`` sets what every summed gradient is divided
+    by instead (FSDP2's ``set_gradient_divide_factor``; torchtitan, which divides its
+    loss by the global token count, passes 1.0).
 
     ``bucket`` groups parameters into one all-gather / reduce-scatter each (Note
     [Buckets]): ``"blocks"`` (default: each child of an ``nn.ModuleList``, e.g. each
@@ -82,7 +95,7 @@ def parametrize(
         >>> model(x).sum().backward(); optim.step()
     """
     plan = plan_parametrization(model, mesh, mode, reshard_after_forward, mp_policy, shard_dim,
-                                bucket, prefetch)
+                                bucket, prefetch, gradient_divide_factor)
     # Everything above only validated; from here on the model changes.
     for fqn, gather in plan.params.items():
         for module, name in gather.module_info.registrations():

@@ -14,7 +14,6 @@ from typing import Callable, Mapping
 
 import torch
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
 
@@ -23,8 +22,7 @@ from ._blocks import find_blocks, is_checkpointed
 from ._bucket import Bucket
 from ._class_swap import user_class
 from ._float8 import check_bucketed, check_float8, float8_weight
-from ._mesh import (check_devices, concatenate_dp_tp, dp_mesh_of, mode_for, parse_mode, strided_if_needed,
-                    tp_dim_names)
+from ._mesh import MeshGroup, concatenate_dp_tp, mesh_groups, parse_mode, strided_if_needed
 from ._param import ParamGather, ParamModuleInfo
 from ._partial import check_partial
 from ._state import ModuleState, RootState, module_state
@@ -38,7 +36,7 @@ class _Setting:
     """The validated arguments of one ``parametrize`` call."""
 
     mode: DataParallelMode
-    dp_mesh: DeviceMesh
+    group_of: Callable[[str], MeshGroup]  # a module FQN's mesh (Note [Meshes per module] in _mesh.py)
     dp_placements: tuple[Placement, ...]
     mp: MixedPrecisionPolicy
     shard_dim: int
@@ -73,11 +71,11 @@ class ModuleChange:
 
 
 def plan_parametrization(model: nn.Module, mesh, mode, reshard_after_forward, mp_policy,
-                         shard_dim, bucket, prefetch) -> ParametrizePlan:
+                         shard_dim, bucket, prefetch, gradient_divide_factor=None) -> ParametrizePlan:
     """Validate everything and compute the sharded parameters and buckets, without
     touching ``model``."""
     setting, params = _validate(model, mesh, mode, reshard_after_forward, mp_policy, shard_dim,
-                                bucket, prefetch)
+                                bucket, prefetch, gradient_divide_factor)
     plan = ParametrizePlan(RootState(setting.mp, setting.overlap), {}, {})
     plan.state_of(model).is_root = True
     plan_parameters(plan, setting, params)
@@ -85,6 +83,13 @@ def plan_parametrization(model: nn.Module, mesh, mode, reshard_after_forward, mp
         plan_buckets(plan, setting)
     for change in plan.modules.values():
         change.state.alone = tuple(n for n, g in change.state.params.items() if g not in plan.root.bucket_of)
+    divided = [fqn for fqn, g in plan.params.items()
+               if g not in plan.root.bucket_of and setting.group_of(fqn.rpartition(".")[0]).divide is not None]
+    if divided and setting.mode is not DataParallelMode.REPLICATE:
+        raise NotImplementedError(
+            f"{divided[0]!r} is gathered alone (bucket='param', or no bucket root above it), which averages its "
+            "gradient over its own mesh only; meshes per module and gradient_divide_factor need bucketed gathers: "
+            "use bucket='blocks' (the default)")
     alone = [fqn for fqn in plan.partial if plan.params[fqn] not in plan.root.bucket_of]
     if alone:
         raise NotImplementedError(
@@ -94,7 +99,7 @@ def plan_parametrization(model: nn.Module, mesh, mode, reshard_after_forward, mp
     return plan
 
 
-def _validate(model, mesh, mode, reshard_after_forward, mp_policy, shard_dim, bucket, prefetch):
+def _validate(model, mesh, mode, reshard_after_forward, mp_policy, shard_dim, bucket, prefetch, divide):
     overlap = OverlapPolicy.of(prefetch)
     if not isinstance(model, nn.Module):
         raise TypeError(f"parametrize expects an nn.Module, got {type(model).__name__}")
@@ -105,8 +110,9 @@ def _validate(model, mesh, mode, reshard_after_forward, mp_policy, shard_dim, bu
         )
     if mode is not None:
         mode = parse_mode(mode)
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"mesh must be a DeviceMesh, got {type(mesh).__name__}; use init_device_mesh")
+    if divide is not None and (isinstance(divide, bool) or not isinstance(divide, (int, float)) or divide <= 0):
+        raise ValueError(f"gradient_divide_factor={divide!r} must be a positive number (or None: the "
+                         "data-parallel size)")
     mp = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
     if not isinstance(mp, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be fsdptag.MixedPrecisionPolicy, got {type(mp).__name__}")
@@ -122,16 +128,17 @@ def _validate(model, mesh, mode, reshard_after_forward, mp_policy, shard_dim, bu
               for n, p in m.named_parameters(recurse=False)]
     if not params:
         raise ValueError(f"{type(model).__name__} has no parameters to parametrize")
-    check_devices(params, mesh)
-    tp_names = tp_dim_names(params)
-    dp_mesh = dp_mesh_of(mesh, tp_names)
-    mode = mode_for(dp_mesh, mode, tp_names)
+    mode, groups, group_of = mesh_groups(model, mesh, params, mode, None if divide is None else float(divide))
+    if shard_dim and any(g.divide is not None for g in groups.values()):
+        raise NotImplementedError(
+            f"shard_dim={shard_dim} gathers per parameter, which averages gradients over each parameter's own mesh "
+            "only; meshes per module and gradient_divide_factor need bucketed gathers: use shard_dim=0")
     dp_placements: tuple[Placement, ...] = {
         DataParallelMode.REPLICATE: (Replicate(),),
         DataParallelMode.FULLY_SHARD: (Shard(shard_dim),),
         DataParallelMode.HYBRID_SHARD: (Replicate(), Shard(shard_dim)),
     }[mode]
-    return _Setting(mode, dp_mesh, dp_placements, mp, shard_dim, reshard_of, roots, overlap), params
+    return _Setting(mode, group_of, dp_placements, mp, shard_dim, reshard_of, roots, overlap), params
 
 
 def plan_parameters(plan: ParametrizePlan, setting: _Setting, params: list) -> None:
@@ -154,7 +161,7 @@ def plan_parameters(plan: ParametrizePlan, setting: _Setting, params: list) -> N
             check_float8(fqn, float8, reshard)
             param = nn.Parameter(float8.hp, requires_grad=param.requires_grad)
         if reshard is not True and reshard is not False:  # an int k: Note [Partial reshard]
-            check_partial(reshard, setting.dp_mesh, fqn)
+            check_partial(reshard, setting.group_of(mfqn).dp_mesh, fqn)
             plan.partial[fqn] = reshard
             reshard = True
         gather, sharded = _shard_param(
@@ -177,22 +184,23 @@ def plan_buckets(plan: ParametrizePlan, setting: _Setting) -> None:
         if root is not None:
             by_root.setdefault(root, []).append(gather)
     for root, gathers in by_root.items():
-        groups: dict[tuple[torch.dtype, bool, bool, int | None], list[ParamGather]] = {}
+        groups: dict[tuple[MeshGroup, torch.dtype, bool, bool, int | None], list[ParamGather]] = {}
         for g in gathers:  # torchao float8 weights: a bucket of their own (Note [Float8 all-gather])
-            key = (plan.sharded[g.fqn].dtype, g.float8 is not None, g.tag.reshard_after_forward,
-                   plan.partial.get(g.fqn))
+            key = (setting.group_of(g.fqn.rpartition(".")[0]), plan.sharded[g.fqn].dtype, g.float8 is not None,
+                   g.tag.reshard_after_forward, plan.partial.get(g.fqn))
             groups.setdefault(key, []).append(g)
-        dtypes, reshards = {k[0] for k in groups}, {k[2:] for k in groups}
+        dtypes, reshards = {k[1] for k in groups}, {k[3:] for k in groups}
         buckets = []
-        for (dtype, float8, reshard, k), group in groups.items():
-            variant = ""  # what tells the root's buckets apart
+        for (mesh, dtype, float8, reshard, k), group in groups.items():
+            variant = mesh.variant  # what tells the root's buckets apart
             if len(dtypes) > 1:
                 variant += f"[{str(dtype).removeprefix('torch.')}]"
             if float8:
                 variant += "[float8]"
             if len(reshards) > 1:
                 variant += f"[zero{3 if reshard else 2}{'' if k is None else f'@{k}'}]"
-            b = Bucket(root, variant, reshard, group, setting.dp_mesh, setting.mp, plan.root.shared, partial=k)
+            b = Bucket(root, variant, reshard, group, mesh.dp_mesh, setting.mp, plan.root.shared, partial=k,
+                       divide=mesh.divide)
             b.bind([plan.sharded[g.fqn] for g in group])  # the new parameters only: the model is untouched
             b.owner = weakref.ref(setting.bucket_roots[root])
             plan.root.bucket_of.update(dict.fromkeys(group, b))
@@ -285,7 +293,7 @@ def reshard_resolver(model: nn.Module, policy: ReshardPolicy) -> Callable[[str, 
 
 def _shard_param(param: nn.Parameter, tag: FSDPTag, module_info: ParamModuleInfo, setting: _Setting,
                  root: RootState) -> tuple[ParamGather, nn.Parameter]:
-    dp_mesh, dp_placements = setting.dp_mesh, setting.dp_placements
+    dp_mesh, dp_placements = setting.group_of(tag.fqn.rpartition(".")[0]).dp_mesh, setting.dp_placements
     if not isinstance(param, DTensor):
         sharded = distribute_tensor(param.detach(), dp_mesh, dp_placements, src_data_rank=None)
         gather = ParamGather(tag, module_info, dp_mesh, dp_placements, param.shape, setting.mp,
