@@ -160,7 +160,7 @@ class Bucket:
 
     def __init__(self, root_fqn: str, variant: str, reshard: bool, params: list[ParamGather], dp_mesh,
                  mp: MixedPrecisionPolicy, shared: BucketShared, partial: int | None = None,
-                 divide: int | None = None) -> None:
+                 divide: float | None = None) -> None:
         self.root_fqn, self.variant = root_fqn, variant
         self.name = (root_fqn or "<root>") + variant
         self.params = params  # in slot order

@@ -64,7 +64,7 @@ from torch.distributed.tensor import DTensor
 
 from ._compat import AsyncCollectiveTensor, OncePerBackward, lazy_wait, local_of, replace_local
 
-__all__ = ["GradientReduction", "Reducer", "gradient_reduction", "reduce_gradient"]
+__all__ = ["DivideGradient", "GradientReduction", "Reducer", "gradient_reduction", "reduce_gradient"]
 
 c10d = torch.ops._c10d_functional
 
@@ -137,6 +137,21 @@ def _finish(pending, r: GradientReduction) -> torch.Tensor:
     if r.post_divide is not None:
         flat.div_(r.post_divide)
     return flat
+
+
+class DivideGradient(torch.autograd.Function):
+    """Identity forward; backward divides the gradient by ``divide``. A parameter
+    gathered alone is reduced by DTensor's redistribute (``Partial("sum")`` here, then
+    this on its reduced shard), where a bucket divides in ``issue_reduction``."""
+
+    @staticmethod
+    def forward(ctx, shard: torch.Tensor, divide: float) -> torch.Tensor:
+        ctx.divide = divide
+        return shard.view_as(shard)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad / ctx.divide, None
 
 
 class Reducer:

@@ -55,7 +55,7 @@ class MeshGroup:
 
 
 def mesh_groups(model, mesh, params, mode, gradient_divide_factor):
-    """``(mode, {prefix: MeshGroup}, group_of(module_fqn))`` for one mesh or a dict of
+    """``(mode, group_of(module_fqn) -> MeshGroup)`` for one mesh or a dict of
     module-FQN prefixes to meshes (``""``: the rest), checked (Note [Meshes per module])."""
     meshes = _meshes(model, mesh)
     ordered = sorted(meshes, key=len, reverse=True)
@@ -89,7 +89,7 @@ def mesh_groups(model, mesh, params, mode, gradient_divide_factor):
     out = {prefix: MeshGroup(prefix, dp, gradient_divide_factor if gradient_divide_factor is not None
                              else float(world) if dp.size() != world else None)
            for prefix, dp in groups.items()}
-    return modes[""], out, lambda fqn: out[prefix_of(fqn)]
+    return modes[""], lambda fqn: out[prefix_of(fqn)]
 
 
 def _meshes(model, mesh) -> dict[str, DeviceMesh]:

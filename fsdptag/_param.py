@@ -66,6 +66,7 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ._api import MixedPrecisionPolicy
+from ._collectives import DivideGradient
 from ._compat import contiguous_strides, local_of, sac_hidden
 from ._context import RootForward, gather_context, in_inference
 from ._keep import KeptGather, Keeper, ServeAllGather
@@ -203,6 +204,7 @@ class ParamGather:
         tp_placements: tuple[Placement, ...],
         shape: torch.Size,
         forward: RootForward,
+        divide: float | None = None,
     ) -> None:
         self.tag = tag
         self.module_info = module_info
@@ -214,7 +216,9 @@ class ParamGather:
         self.dp_shape = dp_shape  # shape of the tensor the dp mesh shards (TP-local for TP params)
         self.dp_stride = contiguous_strides(dp_shape)
         self.compute_placements = (Replicate(),) * dp_mesh.ndim
-        self.grad_placements = (Partial("avg"),) * dp_mesh.ndim
+        # averaged over its own mesh, or summed and divided by ``divide`` (Note [Meshes per module])
+        self.divide = divide
+        self.grad_placements = (Partial("avg" if divide is None else "sum"),) * dp_mesh.ndim
         self.param_dtype = mp.param_dtype
         self.reduce_dtype = mp.reduce_dtype or mp.param_dtype
         self.tp_mesh = tp_mesh
@@ -263,6 +267,8 @@ class ParamGather:
 
     def _gather(self, stored: DTensor, tagged: bool, copies: bool) -> torch.Tensor:
         local = stored.to_local()
+        if self.divide is not None:
+            local = DivideGradient.apply(local, self.divide)
         if tagged:
             local = tag_shard(local, self.tag)
         sharded = DTensor.from_local(

@@ -83,13 +83,6 @@ def plan_parametrization(model: nn.Module, mesh, mode, reshard_after_forward, mp
         plan_buckets(plan, setting)
     for change in plan.modules.values():
         change.state.alone = tuple(n for n, g in change.state.params.items() if g not in plan.root.bucket_of)
-    divided = [fqn for fqn, g in plan.params.items()
-               if g not in plan.root.bucket_of and setting.group_of(fqn.rpartition(".")[0]).divide is not None]
-    if divided and setting.mode is not DataParallelMode.REPLICATE:
-        raise NotImplementedError(
-            f"{divided[0]!r} is gathered alone (bucket='param', or no bucket root above it), which averages its "
-            "gradient over its own mesh only; meshes per module and gradient_divide_factor need bucketed gathers: "
-            "use bucket='blocks' (the default)")
     alone = [fqn for fqn in plan.partial if plan.params[fqn] not in plan.root.bucket_of]
     if alone:
         raise NotImplementedError(
@@ -128,11 +121,7 @@ def _validate(model, mesh, mode, reshard_after_forward, mp_policy, shard_dim, bu
               for n, p in m.named_parameters(recurse=False)]
     if not params:
         raise ValueError(f"{type(model).__name__} has no parameters to parametrize")
-    mode, groups, group_of = mesh_groups(model, mesh, params, mode, None if divide is None else float(divide))
-    if shard_dim and any(g.divide is not None for g in groups.values()):
-        raise NotImplementedError(
-            f"shard_dim={shard_dim} gathers per parameter, which averages gradients over each parameter's own mesh "
-            "only; meshes per module and gradient_divide_factor need bucketed gathers: use shard_dim=0")
+    mode, group_of = mesh_groups(model, mesh, params, mode, None if divide is None else float(divide))
     dp_placements: tuple[Placement, ...] = {
         DataParallelMode.REPLICATE: (Replicate(),),
         DataParallelMode.FULLY_SHARD: (Shard(shard_dim),),
@@ -293,11 +282,12 @@ def reshard_resolver(model: nn.Module, policy: ReshardPolicy) -> Callable[[str, 
 
 def _shard_param(param: nn.Parameter, tag: FSDPTag, module_info: ParamModuleInfo, setting: _Setting,
                  root: RootState) -> tuple[ParamGather, nn.Parameter]:
-    dp_mesh, dp_placements = setting.group_of(tag.fqn.rpartition(".")[0]).dp_mesh, setting.dp_placements
+    group = setting.group_of(tag.fqn.rpartition(".")[0])
+    dp_mesh, dp_placements = group.dp_mesh, setting.dp_placements
     if not isinstance(param, DTensor):
         sharded = distribute_tensor(param.detach(), dp_mesh, dp_placements, src_data_rank=None)
         gather = ParamGather(tag, module_info, dp_mesh, dp_placements, param.shape, setting.mp,
-                             None, (), param.shape, root.forward)
+                             None, (), param.shape, root.forward, group.divide)
         return gather, nn.Parameter(sharded, requires_grad=param.requires_grad)
 
     tp_mesh, tp_placements = param.device_mesh, tuple(param.placements)
@@ -310,5 +300,5 @@ def _shard_param(param: nn.Parameter, tag: FSDPTag, module_info: ParamModuleInfo
         shape=param.shape, stride=param.stride(),
     )
     gather = ParamGather(tag, module_info, dp_mesh, dp_placements, tp_local.shape, setting.mp,
-                         tp_mesh, tp_placements, param.shape, root.forward)
+                         tp_mesh, tp_placements, param.shape, root.forward, group.divide)
     return gather, nn.Parameter(sharded, requires_grad=param.requires_grad)

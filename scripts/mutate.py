@@ -122,7 +122,7 @@ MUTANTS = [
            "fsdptag/_collectives.py", 'replicate_group, "avg", None, None)', 'replicate_group, "sum", None, None)',
            (PARAM,)),
     Mutant("param-grad-sum", "per-parameter gradients reduced with sum instead of avg",
-           "fsdptag/_param.py", '(Partial("avg"),)', '(Partial("sum"),)', (PARAM,)),
+           "fsdptag/_param.py", '(Partial("avg" if divide is None else "sum"),)', '(Partial("sum"),)', (PARAM,)),
     Mutant("scope-ignores-ac-region", "bucket scope serves accesses from any checkpoint region",
            "fsdptag/_access.py", "if not bucket.scopes or bucket.scopes[-1].region is not sac_region():",
            "if not bucket.scopes:",

@@ -123,22 +123,26 @@ def test_meshes_refused(fake_pg):
     with pytest.raises(ValueError, match="span different numbers of ranks"):
         fsdptag.parametrize(plain, {"": dense, "layers.0.experts": sparse["efsdp"]})
     assert not fsdptag.is_parametrized(plain)
-    assert "need bucketed gathers" in error({"": dense, **experts}, NotImplementedError, bucket="param")
-    assert "shard_dim=0" in error({"": dense, **experts}, NotImplementedError, shard_dim=1)
     assert "positive number" in error(dense, gradient_divide_factor=0)
     assert "DeviceMesh or a dict" in error([dense], TypeError)
 
 
-def test_gradient_divide_factor_divides_the_sum():
-    """One real gloo rank: the summed gradient is divided by the factor (0.5: doubled)."""
+@pytest.mark.parametrize("how", ["blocks", "param", "outside forward", "replicate"])
+def test_gradient_divide_factor_divides_the_sum(how):
+    """One real gloo rank: the summed gradient is divided by the factor (0.5: doubled),
+    bucketed, gathered alone (per parameter, or a bucketed one read outside its root's
+    forward, as torchtitan's chunked loss reads lm_head) and in DDP."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,))
         torch.manual_seed(0)
         ref, model = MoE(), MoE()
         model.load_state_dict(ref.state_dict())
-        fsdptag.parametrize(model, mesh, gradient_divide_factor=0.5)
+        fsdptag.parametrize(model, mesh, gradient_divide_factor=0.5, bucket="param" if how == "param" else "blocks",
+                            mode="replicate" if how == "replicate" else None)
         x = torch.randn(3, 6)
+        if how == "outside forward":
+            ref, model = ref.out, model.out
         ref(x).sum().backward()
         model(x).sum().backward()
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
