@@ -21,7 +21,7 @@ that are not its own              (FSDP2's ``set_gradient_divide_factor``: its
                                   ``PREMUL_SUM``); fp16: as above with ``divide``
 ================================  ===============================================
 
-The last row is expert parallelism (Note [Meshes per module] in ``_plan.py``): an
+The last row is expert parallelism (Note [Meshes per module] in ``_mesh.py``): an
 expert's gradient already sums, through the all-to-all's backward, the tokens of the
 EP ranks that are not in its own data-parallel mesh, so it is averaged over the
 model's data-parallel ranks (``divide``), not over its mesh's.
@@ -83,7 +83,7 @@ class GradientReduction:
 
 
 def gradient_reduction(world: int, group: str | None, replicas: int, replicate_group: str | None,
-                       reduce_dtype: torch.dtype, divide: int | None = None) -> GradientReduction:
+                       reduce_dtype: torch.dtype, divide: float | None = None) -> GradientReduction:
     """FSDP2's choice of reduce op and divide factors for this bucket; ``divide``: the
     ranks it is averaged over where they are not its own (expert parallelism)."""
     size = world * replicas
